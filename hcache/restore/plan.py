@@ -1,0 +1,75 @@
+"""A restore plan: one method per layer. Recompute must be a prefix (layer l's
+recompute needs layer l-1's output); hidden-state and KV layers may be mixed freely."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from hcache.config import ModelConfig
+
+TOKEN_ID_BYTES = 4
+
+
+class Method(str, Enum):
+    RECOMPUTE = "recompute"
+    HIDDEN = "hidden"
+    KV = "kv"
+
+    @property
+    def short(self) -> str:
+        return {"recompute": "RE", "hidden": "H", "kv": "KV"}[self.value]
+
+
+@dataclass(frozen=True)
+class Plan:
+    methods: tuple[Method, ...]
+
+    def __post_init__(self) -> None:
+        n_re = self.n_recompute
+        if any(m == Method.RECOMPUTE for m in self.methods[n_re:]):
+            raise ValueError("recompute layers must form a prefix 0..k-1 of the model")
+
+    @classmethod
+    def uniform(cls, num_layers: int, method: Method) -> Plan:
+        return cls((method,) * num_layers)
+
+    @classmethod
+    def split(cls, num_layers: int, n_recompute: int, n_hidden: int) -> Plan:
+        """RE for the first `n_recompute` layers, H for the next `n_hidden`, KV for the rest."""
+        if n_recompute < 0 or n_hidden < 0 or n_recompute + n_hidden > num_layers:
+            raise ValueError(f"bad split ({n_recompute}, {n_hidden}) of {num_layers} layers")
+        n_kv = num_layers - n_recompute - n_hidden
+        return cls((Method.RECOMPUTE,) * n_recompute + (Method.HIDDEN,) * n_hidden + (Method.KV,) * n_kv)
+
+    @property
+    def n_recompute(self) -> int:
+        n = 0
+        while n < len(self.methods) and self.methods[n] == Method.RECOMPUTE:
+            n += 1
+        return n
+
+    def layers(self, method: Method) -> list[int]:
+        return [i for i, m in enumerate(self.methods) if m == method]
+
+    def counts(self) -> dict[str, int]:
+        return {m.value: len(self.layers(m)) for m in Method}
+
+    def bytes_to_read(self, cfg: ModelConfig, n_tokens: int, elem_bytes: int) -> int:
+        """What a store must read to run this plan: H rows, K and V rows, and token ids for recompute."""
+        per_layer = {
+            Method.HIDDEN: n_tokens * cfg.hidden_size * elem_bytes,
+            Method.KV: n_tokens * 2 * cfg.kv_dim * elem_bytes,
+            Method.RECOMPUTE: 0,
+        }
+        total = sum(per_layer[m] for m in self.methods)
+        return total + (n_tokens * TOKEN_ID_BYTES if self.n_recompute else 0)
+
+    def __str__(self) -> str:
+        parts, start = [], 0
+        for i in range(1, len(self.methods) + 1):
+            if i == len(self.methods) or self.methods[i] != self.methods[start]:
+                span = f"{start}" if i - 1 == start else f"{start}-{i - 1}"
+                parts.append(f"{self.methods[start].short} {span}")
+                start = i
+        return ", ".join(parts)

@@ -1,0 +1,80 @@
+"""What a store holds for one owner (a session or a context), and the source the
+restorer reads from. `MemoryState` keeps it in memory: the demo and the tests use
+it; the chunk store (hcache/storage) is the persistent source with the same ABC."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from hcache.config import ModelConfig
+from hcache.model.attention import KVCache
+
+
+class StateSource(ABC):
+    @property
+    @abstractmethod
+    def tokens(self) -> list[int]: ...
+
+    @abstractmethod
+    def hidden(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s input hidden states `[T, hidden]`."""
+
+    @abstractmethod
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s post-RoPE K and V `[T, kv_heads, head_dim]`."""
+
+
+class MemoryState(StateSource):
+    """Every representation of every layer, appended as the session runs."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", capacity: int = 256):
+        self.cfg = cfg
+        self._tokens: list[int] = []
+        self._hidden = torch.empty(cfg.num_layers, capacity, cfg.hidden_size, dtype=dtype, device=device)
+        self._kv = KVCache(cfg, dtype, device, capacity)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._tokens
+
+    def hidden_slot(self, n: int) -> torch.Tensor:
+        """A `[L, n, hidden]` view for the next forward to write its hidden states into."""
+        t = len(self._tokens)
+        if t + n > self._hidden.shape[1]:
+            grown = self._hidden.new_empty(self.cfg.num_layers, max(t + n, 2 * self._hidden.shape[1]), self.cfg.hidden_size)
+            grown[:, :t] = self._hidden[:, :t]
+            self._hidden = grown
+        return self._hidden[:, t : t + n]
+
+    def append(self, tokens: list[int], cache: KVCache) -> None:
+        """Commit tokens whose hidden states were written to `hidden_slot`; copy their K/V from `cache`."""
+        t, n = len(self._tokens), len(tokens)
+        self._kv.reserve(n)
+        for layer in range(self.cfg.num_layers):
+            k, v = cache.layer_kv(layer, t + n)
+            self._kv.write(layer, k[t:], v[t:], start=t)
+        self._kv.length = t + n
+        self._tokens.extend(tokens)
+
+    def truncate(self, n: int) -> None:
+        del self._tokens[n:]
+        self._kv.truncate(n)
+
+    def hidden(self, layer: int) -> torch.Tensor:
+        return self._hidden[layer, : len(self._tokens)]
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._kv.layer_kv(layer)
+
+    def copy(self) -> MemoryState:
+        other = MemoryState(self.cfg, self._hidden.dtype, self._hidden.device, capacity=max(1, len(self._tokens)))
+        n = len(self._tokens)
+        other._hidden[:, :n] = self._hidden[:, :n]
+        other._kv.reserve(n)
+        for layer in range(self.cfg.num_layers):
+            other._kv.write(layer, *self._kv.layer_kv(layer), start=0)
+        other._kv.length = n
+        other._tokens = list(self._tokens)
+        return other
