@@ -9,7 +9,9 @@ from hcache.config import Config
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct GGUF), a .gguf file or an HF folder")
+    p.add_argument(
+        "--model", default="default", help="'default' (SmolLM2-135M-Instruct GGUF), a .gguf file or an HF folder"
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 

@@ -52,12 +52,14 @@ def max_rel_err(session: ChatSession) -> float:
     assert session.cache is not None
     worst = 0.0
     for layer in range(session.model.cfg.num_layers):
-        for got, want in zip(session.cache.layer_kv(layer), session.state.kv(layer)):
+        for got, want in zip(session.cache.layer_kv(layer), session.state.kv(layer), strict=True):
             worst = max(worst, float((got.float() - want.float()).abs().max() / want.float().abs().max()))
     return worst
 
 
-def run(model: str = "default", dtype: str = "float32", max_new_tokens: int = 48, console: Console | None = None) -> int:
+def run(
+    model: str = "default", dtype: str = "float32", max_new_tokens: int = 48, console: Console | None = None
+) -> int:
     console = console or Console()
     with console.status(f"loading {model} ({dtype})"):
         lm = load(model, dtype)
@@ -83,7 +85,9 @@ def run(model: str = "default", dtype: str = "float32", max_new_tokens: int = 48
             report = session.restore(plan)
             err = max_rel_err(session)
             _, ids = session.reply(message, params)
-            rows.append(Row(turn, name, str(plan), report.num_tokens, report.ms, report.bytes_read, err, ids == ref_ids))
+            rows.append(
+                Row(turn, name, str(plan), report.num_tokens, report.ms, report.bytes_read, err, ids == ref_ids)
+            )
     console.print(_table(rows))
     for message, text in replies:
         console.print(f"[bold]user:[/bold] {message}\n[bold]assistant:[/bold] {text}\n")
@@ -94,11 +98,26 @@ def run(model: str = "default", dtype: str = "float32", max_new_tokens: int = 48
 
 def _table(rows: list[Row]) -> Table:
     t = Table(title="KV dropped after each turn, restored, next turn generated")
-    for col in ("turn", "path", "plan", "tokens", "restore ms", "bytes a store reads", "KV max rel err", "reply identical"):
+    for col in (
+        "turn",
+        "path",
+        "plan",
+        "tokens",
+        "restore ms",
+        "bytes a store reads",
+        "KV max rel err",
+        "reply identical",
+    ):
         t.add_column(col, justify="right" if col not in ("path", "plan") else "left")
     for r in rows:
         t.add_row(
-            str(r.turn), r.path, r.plan, str(r.tokens), f"{r.ms:.1f}", f"{r.bytes_read:,}", f"{r.kv_err:.1e}",
+            str(r.turn),
+            r.path,
+            r.plan,
+            str(r.tokens),
+            f"{r.ms:.1f}",
+            f"{r.bytes_read:,}",
+            f"{r.kv_err:.1e}",
             "yes" if r.identical else "[red]NO[/red]",
         )
     return t

@@ -64,7 +64,9 @@ class KVCache:
         """Forget tokens past `n` (a causal cache's prefix stays valid)."""
         self.length = min(self.length, n)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+    ) -> torch.Tensor:
         """q `[T, H, D]`, k/v `[T, KvH, D]` for the new tokens; returns `[T, H*D]`."""
         t = q.shape[0]
         self.write(layer, k, v)

@@ -11,6 +11,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,6 +21,9 @@ from hcache.model.base import DecoderModel
 from hcache.model.llama import Llama
 from hcache.model.opt import OPT
 from hcache.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,7 +63,9 @@ def load(name: str = "default", dtype: str = "float32", device: str = "cpu") -> 
     return LoadedModel(model.to(device=device, dtype=DTYPES[dtype]).eval(), tok, path)
 
 
-def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], freq_factors: torch.Tensor | None = None) -> DecoderModel:
+def build_model(
+    cfg: ModelConfig, state: dict[str, torch.Tensor], freq_factors: torch.Tensor | None = None
+) -> DecoderModel:
     """Instantiate without allocating, then adopt the given tensors; every parameter must be present."""
     with torch.device("meta"):
         model: DecoderModel = Llama(cfg, freq_factors) if cfg.arch == ARCH_LLAMA else OPT(cfg)
@@ -68,7 +74,9 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], freq_factors: 
     expected = {k for k in model.state_dict() if not (cfg.tie_embeddings and k == "lm_head.weight")}
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:
-        raise ValueError(f"checkpoint does not match the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        raise ValueError(
+            f"checkpoint does not match the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_embeddings:  # assign=True replaced the shared Parameter
         model.lm_head.weight = model.embed_tokens.weight
@@ -108,7 +116,9 @@ def _load_hf(folder: Path) -> tuple[DecoderModel, Tokenizer | None]:
     hf = json.loads((folder / "config.json").read_text())
     cfg = ModelConfig.from_hf(hf)
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = ["model.safetensors"]
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     state: dict[str, torch.Tensor] = {}
     for f in files:
         if not (folder / f).exists():
@@ -144,18 +154,18 @@ _GGUF_RENAMES = {
 GGUF_ARCHS = ("llama", "qwen2")
 
 
-def read_gguf_fields(reader) -> dict:  # noqa: ANN001 - gguf.GGUFReader
+def read_gguf_fields(reader: GGUFReader) -> dict[str, Any]:
     out = {}
     for key, field in reader.fields.items():
         try:
             out[key] = field.contents()
-        except Exception:  # noqa: BLE001 - fields gguf cannot decode are not ones we use
+        except Exception:  # fields gguf cannot decode are not ones we use
             continue
     return out
 
 
-def gguf_config(f: dict, arch: str, has_output: bool) -> ModelConfig:
-    def g(key: str, default=None):  # noqa: ANN001, ANN202
+def gguf_config(f: dict[str, Any], arch: str, has_output: bool) -> ModelConfig:
+    def g(key: str, default: Any = None) -> Any:
         return f.get(f"{arch}.{key}", default)
 
     heads = g("attention.head_count")

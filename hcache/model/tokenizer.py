@@ -16,12 +16,11 @@ from tokenizers import Tokenizer as Backend
 
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
 # Pre-tokenizer regexes of the BPE vocabularies llama.cpp names in `tokenizer.ggml.pre`.
-_LLAMA3_RE = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_SPLIT_RE = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|DIGITS| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_QWEN2_RE = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+_LLAMA3_RE = _SPLIT_RE.replace("DIGITS", r"\p{N}{1,3}")  # numbers in groups of up to three digits
+_QWEN2_RE = _SPLIT_RE.replace("DIGITS", r"\p{N}")  # one digit at a time
 
 
 def _byte_level_pre(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -111,7 +110,7 @@ class Tokenizer:
         backend.add_special_tokens(
             [
                 AddedToken(t, special=True, normalized=False)
-                for t, ty in zip(tokens, types)
+                for t, ty in zip(tokens, types, strict=True)
                 if ty in (GGUF_CONTROL, GGUF_USER_DEFINED)
             ]
         )

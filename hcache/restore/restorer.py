@@ -43,7 +43,9 @@ def kv_as_saved(layer: int, k: torch.Tensor, v: torch.Tensor, cache: KVCache) ->
     cache.write(layer, k, v, start=0)
 
 
-def restore(model: DecoderModel, plan: Plan, source: StateSource, cache: KVCache | None = None) -> tuple[KVCache, RestoreReport]:
+def restore(
+    model: DecoderModel, plan: Plan, source: StateSource, cache: KVCache | None = None
+) -> tuple[KVCache, RestoreReport]:
     cfg = model.cfg
     if len(plan.methods) != cfg.num_layers:
         raise ValueError(f"plan has {len(plan.methods)} layers, the model {cfg.num_layers}")

@@ -43,7 +43,9 @@ class MemoryState(StateSource):
         """A `[L, n, hidden]` view for the next forward to write its hidden states into."""
         t = len(self._tokens)
         if t + n > self._hidden.shape[1]:
-            grown = self._hidden.new_empty(self.cfg.num_layers, max(t + n, 2 * self._hidden.shape[1]), self.cfg.hidden_size)
+            grown = self._hidden.new_empty(
+                self.cfg.num_layers, max(t + n, 2 * self._hidden.shape[1]), self.cfg.hidden_size
+            )
             grown[:, :t] = self._hidden[:, :t]
             self._hidden = grown
         return self._hidden[:, t : t + n]

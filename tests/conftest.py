@@ -1,0 +1,112 @@
+"""Fixtures: the real default model (ours and transformers' reading of the same GGUF),
+and tiny random-weight Llama (MHA, GQA + Llama-3 RoPE), Qwen2 (q/k/v bias) and OPT
+(pre- and post-norm) models saved as safetensors folders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hcache.model.loader import LoadedModel, default_model_path, load
+
+TINY = {
+    "llama_mha": dict(kind="llama", num_attention_heads=4, num_key_value_heads=4),
+    "llama_gqa": dict(
+        kind="llama",
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
+    "qwen2_bias": dict(kind="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "opt": dict(kind="opt"),
+    "opt_postnorm": dict(kind="opt", do_layer_norm_before=False, word_embed_proj_dim=32),
+}
+
+
+def _hf_config(kind: str, **kw):
+    import transformers as tf
+
+    if kind == "opt":
+        return tf.OPTConfig(
+            vocab_size=300,
+            hidden_size=64,
+            num_hidden_layers=3,
+            ffn_dim=128,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            init_std=0.2,
+            **kw,
+        )
+    cls = tf.LlamaConfig if kind == "llama" else tf.Qwen2Config
+    return cls(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        rms_norm_eps=1e-6,
+        **kw,
+    )
+
+
+def make_tiny(name: str, folder: Path) -> None:
+    """Random weights, with norms and biases perturbed so every parameter matters."""
+    import transformers as tf
+
+    spec = dict(TINY[name])
+    cfg = _hf_config(spec.pop("kind"), **spec)
+    torch.manual_seed(hash(name) % 2**31)
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname or pname.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory):
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = tmp_path_factory.mktemp(name)
+            make_tiny(name, made[name])
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def default_model() -> LoadedModel:
+    return load("default", "float32")
+
+
+@pytest.fixture(scope="session")
+def hf_default():
+    """transformers' own reading of the default GGUF: the oracle (about 25 s, loaded once)."""
+    from transformers import AutoModelForCausalLM
+
+    p = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_default_tokenizer():
+    from transformers import AutoTokenizer
+
+    p = default_model_path()
+    return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))

@@ -1,0 +1,58 @@
+"""The command line gives clear errors, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from hcache.cli import main
+from hcache.config import ModelConfig
+
+
+def test_missing_model_is_a_clear_error(tmp_path, capsys) -> None:
+    assert main(["demo", "--model", str(tmp_path / "nope.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert "model not found" in err and "Traceback" not in err
+
+
+def test_bad_token_budget(capsys) -> None:
+    assert main(["demo", "--max-new-tokens", "0"]) == 2
+    assert "--max-new-tokens" in capsys.readouterr().err
+
+
+def test_not_a_model_file(tmp_path, capsys) -> None:
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"x")
+    assert main(["demo", "--model", str(f)]) == 2
+    assert "neither a .gguf file nor a Hugging Face folder" in capsys.readouterr().err
+
+
+def test_console_script_usage_error() -> None:
+    r = subprocess.run([sys.executable, "-m", "hcache.cli", "demo", "--dtype", "int3"], capture_output=True, text=True)
+    assert r.returncode == 2 and "invalid choice" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "cfg, msg",
+    [
+        ({"model_type": "gpt2"}, "unsupported model_type"),
+        ({"model_type": "mistral", "sliding_window": 4096, "num_attention_heads": 4}, "sliding-window"),
+        (
+            {
+                "model_type": "llama",
+                "num_attention_heads": 4,
+                "hidden_size": 8,
+                "vocab_size": 8,
+                "intermediate_size": 8,
+                "num_hidden_layers": 1,
+                "rope_scaling": {"rope_type": "yarn", "factor": 2.0},
+            },
+            "rope scaling",
+        ),
+    ],
+)
+def test_unsupported_configs(cfg: dict, msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        ModelConfig.from_hf(cfg)

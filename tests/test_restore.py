@@ -1,0 +1,114 @@
+"""The three restore paths and their mixes reproduce the KV the forward produced."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import TINY, rel_err
+
+from hcache.engine.generate import generate
+from hcache.engine.sampler import SamplingParams
+from hcache.model import KVCache, load
+from hcache.model.base import DecoderModel
+from hcache.restore.plan import Method, Plan
+from hcache.restore.restorer import restore
+from hcache.restore.state import MemoryState
+
+MODELS = [*TINY, "default"]
+REL = 1e-5
+
+
+@pytest.fixture(params=MODELS)
+def model(request, tiny_folder, default_model) -> DecoderModel:
+    return default_model.model if request.param == "default" else load(str(tiny_folder(request.param))).model
+
+
+def chat_like(model: DecoderModel) -> tuple[MemoryState, KVCache]:
+    """Two prompts and two decodes, as a session builds its state over turns."""
+    g = torch.Generator().manual_seed(7)
+    state, cache = MemoryState(model.cfg, model.dtype, capacity=4), KVCache(model.cfg, model.dtype, capacity=4)
+    for n_prompt, n_new in ((40, 8), (25, 5)):
+        prompt = torch.randint(3, model.cfg.vocab_size, (n_prompt,), generator=g).tolist()
+        list(generate(model, cache, prompt, SamplingParams(max_new_tokens=n_new), set(), state))
+    assert len(state.tokens) == cache.length == 40 + 7 + 25 + 4
+    return state, cache
+
+
+def assert_restored(model: DecoderModel, state: MemoryState, restored: KVCache, plan: Plan) -> None:
+    assert restored.length == len(state.tokens)
+    for layer, method in enumerate(plan.methods):
+        for got, want in zip(restored.layer_kv(layer), state.kv(layer), strict=True):
+            if method == Method.KV:
+                assert torch.equal(got, want), f"layer {layer} KV path not identical"
+            else:
+                assert rel_err(got, want) <= REL, f"layer {layer} {method.value}: {rel_err(got, want)}"
+
+
+@pytest.mark.parametrize("method", list(Method))
+def test_single_method(model: DecoderModel, method: Method) -> None:
+    state, _ = chat_like(model)
+    plan = Plan.uniform(model.cfg.num_layers, method)
+    restored, report = restore(model, plan, state)
+    assert_restored(model, state, restored, plan)
+    assert report.num_tokens == len(state.tokens)
+
+
+def test_kv_from_hidden_each_layer(model: DecoderModel) -> None:
+    state, _ = chat_like(model)
+    pos = torch.arange(len(state.tokens))
+    for layer in range(model.cfg.num_layers):
+        k, v = model.kv_from_hidden(layer, state.hidden(layer), pos)
+        want_k, want_v = state.kv(layer)
+        assert rel_err(k, want_k) <= REL and rel_err(v, want_v) <= REL
+
+
+def test_random_mixed_plans_and_continuation(model: DecoderModel) -> None:
+    state, cache = chat_like(model)
+    L = model.cfg.num_layers
+    rng = random.Random(3)
+    nxt = [5, 6, 7, 8]
+    want = list(generate(model, cache, nxt, SamplingParams(max_new_tokens=6), set()))
+    for _ in range(4):
+        n_re = rng.randrange(L + 1)
+        plan = Plan((Method.RECOMPUTE,) * n_re + tuple(rng.choice([Method.HIDDEN, Method.KV]) for _ in range(L - n_re)))
+        restored, _ = restore(model, plan, state)
+        assert_restored(model, state, restored, plan)
+        got = list(generate(model, restored, nxt, SamplingParams(max_new_tokens=6), set()))
+        assert got == want, f"continuation differs after {plan}"
+
+
+def test_restore_bfloat16_within_rounding(tiny_folder) -> None:
+    model = load(str(tiny_folder("llama_gqa")), "bfloat16").model
+    state, _ = chat_like(model)
+    plan = Plan.split(model.cfg.num_layers, 1, 1)
+    restored, _ = restore(model, plan, state)
+    for layer in range(model.cfg.num_layers):
+        for got, want in zip(restored.layer_kv(layer), state.kv(layer), strict=True):
+            assert rel_err(got, want) <= 2**-7  # bf16 has an 8-bit mantissa
+
+
+def test_plan_rules() -> None:
+    with pytest.raises(ValueError, match="prefix"):
+        Plan((Method.HIDDEN, Method.RECOMPUTE, Method.KV))
+    with pytest.raises(ValueError):
+        Plan.split(4, 3, 2)
+    p = Plan.split(30, 4, 16)
+    assert str(p) == "RE 0-3, H 4-19, KV 20-29"
+    assert p.counts() == {"recompute": 4, "hidden": 16, "kv": 10}
+
+
+def test_plan_bytes(default_model) -> None:
+    cfg = default_model.model.cfg
+    # SmolLM2 is grouped-query: a hidden state (576) is larger than K+V (2 x 3 x 64 = 384)
+    h = Plan.uniform(30, Method.HIDDEN).bytes_to_read(cfg, 100, 4)
+    kv = Plan.uniform(30, Method.KV).bytes_to_read(cfg, 100, 4)
+    assert (h, kv) == (30 * 100 * 576 * 4, 30 * 100 * 384 * 4)
+    assert Plan.uniform(30, Method.RECOMPUTE).bytes_to_read(cfg, 100, 4) == 400
+
+
+def test_restore_rejects_wrong_plan_length(default_model) -> None:
+    state, _ = chat_like(default_model.model)
+    with pytest.raises(ValueError, match="layers"):
+        restore(default_model.model, Plan.uniform(3, Method.KV), state)
