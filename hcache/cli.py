@@ -21,7 +21,7 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="3-turn chat; KV dropped and restored by every path after each turn")
     _common(demo)
-    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.add_argument("--max-new-tokens", type=int, default=64)
     return ap
 
 
