@@ -1,0 +1,224 @@
+"""Stage 2 of saving. The packer turns staged batches into per-owner 64-token chunks
+(one open chunk per owner, layer and kind); each directory's writer thread writes its
+chunks, fsyncs them as a group and only then commits their manifest rows in one
+transaction. A tail chunk (< 64 tokens) is written to a fresh slot and replaces the
+previous version copy-on-write."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import zlib
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from hcache.storage.errors import StorageError
+from hcache.storage.layout import CHUNK_TOKENS, Kind
+from hcache.storage.manifest import ChunkRow
+from hcache.storage.slab import aligned_buffer
+from hcache.storage.staging import StagedBatch
+
+if TYPE_CHECKING:
+    from hcache.storage.store import ChunkStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ChunkWrite:
+    owner: str
+    layer: int
+    idx: int
+    kind: Kind
+    data: torch.Tensor  # chunk-shaped, owned by this write
+    ntokens: int
+    seq: int
+    dir: int = -1
+    slab: str = ""
+    slot: int = -1
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class OpenOwner:
+    """Packing state of one owner: the chunk being filled for each stored layer."""
+
+    kinds: list[Kind | None]
+    next_token: int
+    chunks: dict[tuple[int, Kind], torch.Tensor] = field(default_factory=dict)
+    pending: list[Future] = field(default_factory=list)
+    loaded: bool = False  # open chunks hold the durable tail rows
+
+
+@dataclass
+class FlushTail:
+    """Write the owner's tail chunks (unless write_tail is False); the result is
+    (every write of the owner not yet known to have succeeded, tokens staged so far)."""
+
+    owner: str
+    done: Future
+    write_tail: bool = True
+
+
+@dataclass
+class Forget:
+    owner: str
+    done: Future
+
+
+class Packer(threading.Thread):
+    def __init__(self, store: ChunkStore):
+        super().__init__(name="hcache-packer", daemon=True)
+        self.store = store
+        self.inbox: queue.Queue = queue.Queue()
+        self.owners: dict[str, OpenOwner] = {}
+        self.seq = 0
+
+    def run(self) -> None:
+        while (item := self.inbox.get()) is not None:
+            try:
+                if isinstance(item, StagedBatch):
+                    self._pack(item)
+                elif isinstance(item, FlushTail):
+                    item.done.set_result(self._flush_tail(item.owner, item.write_tail))
+                elif isinstance(item, Forget):
+                    self.owners.pop(item.owner, None)
+                    item.done.set_result(None)
+            except Exception as e:  # the caller waiting on this item gets the error; packing goes on
+                log.exception("packer: %s", e)
+                if isinstance(item, (FlushTail, Forget)):
+                    item.done.set_exception(e)
+                elif isinstance(item, StagedBatch):
+                    for seg in item.segments:
+                        self.store.poison(seg.owner, e)
+            finally:
+                if isinstance(item, StagedBatch):
+                    self.store.ring.release(item)
+
+    def _owner(self, owner: str) -> OpenOwner:
+        st = self.owners.get(owner)
+        if st is None:
+            row = self.store.owner_row(owner)
+            st = self.owners[owner] = OpenOwner(self.store.layer_kinds(row), row.num_tokens)
+        if not st.loaded:
+            self._load_tail(owner, st)
+        return st
+
+    def _load_tail(self, owner: str, st: OpenOwner) -> None:
+        """After a restart (or a truncation) the durable tail rows come back from disk."""
+        st.chunks.clear()
+        if st.next_token % CHUNK_TOKENS:
+            idx = st.next_token // CHUNK_TOKENS
+            for layer, kind in enumerate(st.kinds):
+                if kind is not None:
+                    st.chunks[(layer, kind)] = self.store.read_chunk(owner, layer, idx, kind).clone()
+        st.loaded = True
+
+    def _pack(self, batch: StagedBatch) -> None:
+        for seg in batch.segments:
+            st = self._owner(seg.owner)
+            if seg.start != st.next_token:
+                raise StorageError(f"owner {seg.owner}: rows start at {seg.start}, expected {st.next_token}")
+            done = 0
+            while done < seg.n:
+                pos = st.next_token + done
+                idx, off = divmod(pos, CHUNK_TOKENS)
+                take = min(seg.n - done, CHUNK_TOKENS - off)
+                rows = slice(seg.row + done, seg.row + done + take)
+                for layer, kind in enumerate(st.kinds):
+                    if kind is None:
+                        continue
+                    buf = st.chunks.get((layer, kind))
+                    if buf is None or off == 0:
+                        buf = st.chunks[(layer, kind)] = self.store.new_chunk(kind)
+                    if kind == Kind.HIDDEN:
+                        buf[off : off + take] = batch.hidden[layer][rows]
+                    else:
+                        buf[:, off : off + take] = batch.kv[layer][rows].transpose(0, 1)
+                    if off + take == CHUNK_TOKENS:
+                        self._emit(seg.owner, st, layer, idx, kind, buf, CHUNK_TOKENS)
+                        del st.chunks[(layer, kind)]
+                done += take
+            st.next_token += seg.n
+
+    def _emit(self, owner: str, st: OpenOwner, layer: int, idx: int, kind: Kind, data: torch.Tensor, n: int) -> None:
+        self.seq += 1
+        w = ChunkWrite(owner, layer, idx, kind, data, n, self.seq)
+        # keep failed writes until a flush reports them
+        st.pending = [f for f in st.pending if not (f.done() and f.exception() is None)]
+        st.pending.append(w.future)
+        self.store.dispatch(w)
+
+    def _flush_tail(self, owner: str, write_tail: bool) -> tuple[list[Future], int]:
+        st = self.owners.get(owner)
+        if st is None and not write_tail:
+            return [], 0
+        st = self._owner(owner)
+        n = st.next_token % CHUNK_TOKENS
+        if n and write_tail:
+            idx = st.next_token // CHUNK_TOKENS
+            for (layer, kind), buf in sorted(st.chunks.items()):
+                self._emit(owner, st, layer, idx, kind, buf.clone(), n)  # the open chunk keeps filling
+        return list(st.pending), st.next_token
+
+
+class DirWriter(threading.Thread):
+    """Writes one directory's chunks; fsync per group, then one manifest transaction."""
+
+    def __init__(self, store: ChunkStore, index: int, group_bytes: int = 16 << 20):
+        super().__init__(name=f"hcache-writer-{index}", daemon=True)
+        self.store, self.index, self.group_bytes = store, index, group_bytes
+        self.inbox: queue.Queue = queue.Queue()
+        self.buf = aligned_buffer(max(s.slot_bytes for s in store.shapes.values()))
+        self.bytes_written = 0
+        self.write_seconds = 0.0
+
+    def run(self) -> None:
+        while (first := self.inbox.get()) is not None:
+            group, size = [first], first.data.numel() * first.data.element_size()
+            stop = False
+            while size < self.group_bytes:
+                try:
+                    nxt = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                group.append(nxt)
+                size += nxt.data.numel() * nxt.data.element_size()
+            self._write_group(group)
+            if stop:
+                break
+
+    def _write_group(self, group: list[ChunkWrite]) -> None:
+        t0 = time.perf_counter()
+        rows, slabs = [], set()
+        try:
+            for w in group:
+                raw = w.data.contiguous().view(-1).view(torch.uint8)
+                torch.frombuffer(self.buf, dtype=torch.uint8, count=raw.numel()).copy_(raw)
+                slab = self.store.slab(w.dir, w.slab)
+                slab.write(w.slot, self.buf)
+                slabs.add(slab)
+                crc = zlib.crc32(memoryview(self.buf)[: raw.numel()])
+                rows.append(ChunkRow(w.owner, w.layer, w.idx, w.kind.value, w.dir, w.slab, w.slot, w.ntokens, crc))
+            for slab in slabs:
+                slab.sync()
+            self.store.commit(group, rows)
+        except Exception as e:
+            err = self.store.storage_error(e, self.index)
+            for w in group:
+                self.store.release_slot(w.dir, w.slab, w.slot)
+                if not w.future.done():
+                    w.future.set_exception(err)
+            return
+        self.bytes_written += sum(s.slot_bytes for s in (self.store.slab(w.dir, w.slab) for w in group))
+        self.write_seconds += time.perf_counter() - t0
+        for w in group:
+            w.future.set_result(None)

@@ -1,0 +1,89 @@
+"""Chunk geometry and placement. A chunk holds 64 tokens of one layer in one
+representation; chunk c of layer l lives in directory (l + c) mod N, so one
+layer's chunks spread over every device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from hcache.config import ModelConfig
+
+CHUNK_TOKENS = 64
+ALIGN = 4096
+
+
+class Kind(str, Enum):
+    HIDDEN = "h"
+    KV = "kv"
+
+
+# per-layer stored representation, as written in the manifest: H, K(V) or - (nothing: recompute)
+LAYER_CODES = {Kind.HIDDEN: "H", Kind.KV: "K", None: "-"}
+
+
+def encode_layer_kinds(kinds: list[Kind | None]) -> str:
+    return "".join(LAYER_CODES[k] for k in kinds)
+
+
+def decode_layer_kinds(code: str) -> list[Kind | None]:
+    back = {v: k for k, v in LAYER_CODES.items()}
+    return [back[c] for c in code]
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class ChunkShape:
+    """Elements per token row and the chunk's tensor shape for one kind."""
+
+    kind: Kind
+    width: int  # elements per token (hidden, or kv_dim for each of K and V)
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (CHUNK_TOKENS, self.width) if self.kind == Kind.HIDDEN else (2, CHUNK_TOKENS, self.width)
+
+    @property
+    def nbytes(self) -> int:
+        n = CHUNK_TOKENS * self.width * (1 if self.kind == Kind.HIDDEN else 2)
+        return n * (torch.finfo(self.dtype).bits // 8)
+
+    @property
+    def slot_bytes(self) -> int:
+        return align_up(self.nbytes)
+
+    @property
+    def slab(self) -> str:
+        """Slab file stem: chunks of equal size share a slab; the name alone gives fsck the geometry."""
+        return slab_name(self.kind, self.nbytes)
+
+
+def slab_name(kind: Kind, nbytes: int) -> str:
+    return f"{kind.value}.{nbytes}"
+
+
+def parse_slab(name: str) -> tuple[Kind, int, int]:
+    """kind, chunk bytes, slot bytes."""
+    kind, nbytes = name.split(".")
+    return Kind(kind), int(nbytes), align_up(int(nbytes))
+
+
+def chunk_shapes(cfg: ModelConfig, dtype: torch.dtype) -> dict[Kind, ChunkShape]:
+    return {
+        Kind.HIDDEN: ChunkShape(Kind.HIDDEN, cfg.hidden_size, dtype),
+        Kind.KV: ChunkShape(Kind.KV, cfg.kv_dim, dtype),
+    }
+
+
+def home_dir(layer: int, chunk: int, n_dirs: int) -> int:
+    return (layer + chunk) % n_dirs
+
+
+def num_chunks(n_tokens: int) -> int:
+    return (n_tokens + CHUNK_TOKENS - 1) // CHUNK_TOKENS

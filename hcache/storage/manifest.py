@@ -1,0 +1,180 @@
+"""The manifest: SQLite in WAL mode with synchronous=FULL, so a committed row
+survives a crash. Owners carry their token ids, model fingerprint and which
+representation each layer stores; chunk rows point at slots whose bytes were
+already durable when the row was committed."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS owners(
+  owner TEXT PRIMARY KEY,
+  kind TEXT NOT NULL,               -- session | context
+  fingerprint TEXT NOT NULL,
+  layer_kinds TEXT NOT NULL,        -- one letter per layer: H, K (KV) or - (recompute)
+  num_tokens INTEGER NOT NULL,      -- durable tokens: a finished turn
+  tokens BLOB NOT NULL,             -- int32 token ids
+  meta TEXT NOT NULL DEFAULT '{}',
+  created REAL NOT NULL,
+  updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS chunks(
+  owner TEXT NOT NULL,
+  layer INTEGER NOT NULL,
+  idx INTEGER NOT NULL,
+  kind TEXT NOT NULL,
+  dir INTEGER NOT NULL,
+  slab TEXT NOT NULL,
+  slot INTEGER NOT NULL,
+  ntokens INTEGER NOT NULL,
+  checksum INTEGER NOT NULL,
+  PRIMARY KEY(owner, layer, idx, kind)
+) WITHOUT ROWID;
+CREATE UNIQUE INDEX IF NOT EXISTS chunks_slot ON chunks(dir, slab, slot);
+"""
+
+
+@dataclass(frozen=True)
+class ChunkRow:
+    owner: str
+    layer: int
+    idx: int
+    kind: str
+    dir: int
+    slab: str
+    slot: int
+    ntokens: int
+    checksum: int
+
+
+@dataclass
+class OwnerRow:
+    owner: str
+    kind: str
+    fingerprint: str
+    layer_kinds: str
+    num_tokens: int
+    tokens: list[int]
+    meta: dict
+    created: float
+    updated: float
+
+
+def _pack(tokens: list[int]) -> bytes:
+    return array("i", tokens).tobytes()
+
+
+def _unpack(blob: bytes) -> list[int]:
+    a = array("i")
+    a.frombytes(blob)
+    return a.tolist()
+
+
+class Manifest:
+    def __init__(self, path: Path):
+        self.path = path
+        self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.executescript(SCHEMA)
+        self.lock = threading.Lock()
+
+    def close(self) -> None:
+        with self.lock:
+            self.db.close()
+
+    # --- meta -----------------------------------------------------------------
+    def get_meta(self, key: str) -> str | None:
+        with self.lock:
+            r = self.db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return r[0] if r else None
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self.lock:
+            self.db.execute("INSERT OR REPLACE INTO meta VALUES(?, ?)", (key, value))
+
+    # --- owners ---------------------------------------------------------------
+    def create_owner(self, owner: str, kind: str, fingerprint: str, layer_kinds: str, meta: dict | None = None) -> None:
+        now = time.time()
+        with self.lock:
+            self.db.execute(
+                "INSERT INTO owners VALUES(?, ?, ?, ?, 0, ?, ?, ?, ?)",
+                (owner, kind, fingerprint, layer_kinds, _pack([]), json.dumps(meta or {}), now, now),
+            )
+
+    def get_owner(self, owner: str) -> OwnerRow | None:
+        with self.lock:
+            r = self.db.execute("SELECT * FROM owners WHERE owner=?", (owner,)).fetchone()
+        return _owner(r) if r else None
+
+    def owners(self) -> list[OwnerRow]:
+        with self.lock:
+            rows = self.db.execute("SELECT * FROM owners ORDER BY created").fetchall()
+        return [_owner(r) for r in rows]
+
+    def set_tokens(self, owner: str, tokens: list[int]) -> None:
+        """Make a turn durable: its chunks were committed before this."""
+        with self.lock:
+            self.db.execute(
+                "UPDATE owners SET tokens=?, num_tokens=?, updated=? WHERE owner=?",
+                (_pack(tokens), len(tokens), time.time(), owner),
+            )
+
+    def delete_owner(self, owner: str) -> list[ChunkRow]:
+        with self.lock, self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            rows = self.db.execute("SELECT * FROM chunks WHERE owner=?", (owner,)).fetchall()
+            self.db.execute("DELETE FROM chunks WHERE owner=?", (owner,))
+            self.db.execute("DELETE FROM owners WHERE owner=?", (owner,))
+        return [ChunkRow(*r) for r in rows]
+
+    # --- chunks ---------------------------------------------------------------
+    def commit_chunks(self, rows: list[ChunkRow]) -> list[ChunkRow]:
+        """Insert or replace rows in one transaction; returns the rows they replaced (their slots are now free)."""
+        with self.lock, self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            old = []
+            for r in rows:
+                prev = self.db.execute(
+                    "SELECT * FROM chunks WHERE owner=? AND layer=? AND idx=? AND kind=?",
+                    (r.owner, r.layer, r.idx, r.kind),
+                ).fetchone()
+                if prev:
+                    old.append(ChunkRow(*prev))
+                    self.db.execute(
+                        "DELETE FROM chunks WHERE owner=? AND layer=? AND idx=? AND kind=?",
+                        (r.owner, r.layer, r.idx, r.kind),
+                    )
+            self.db.executemany(
+                "INSERT INTO chunks VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(r.owner, r.layer, r.idx, r.kind, r.dir, r.slab, r.slot, r.ntokens, r.checksum) for r in rows],
+            )
+        return old
+
+    def chunks(self, owner: str | None = None) -> list[ChunkRow]:
+        with self.lock:
+            if owner is None:
+                rows = self.db.execute("SELECT * FROM chunks").fetchall()
+            else:
+                rows = self.db.execute("SELECT * FROM chunks WHERE owner=? ORDER BY layer, idx", (owner,)).fetchall()
+        return [ChunkRow(*r) for r in rows]
+
+    def delete_chunks(self, rows: list[ChunkRow]) -> None:
+        with self.lock, self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            self.db.executemany(
+                "DELETE FROM chunks WHERE owner=? AND layer=? AND idx=? AND kind=?",
+                [(r.owner, r.layer, r.idx, r.kind) for r in rows],
+            )
+
+
+def _owner(r: tuple) -> OwnerRow:
+    return OwnerRow(r[0], r[1], r[2], r[3], r[4], _unpack(r[5]), json.loads(r[6]), r[7], r[8])

@@ -1,0 +1,201 @@
+"""Reads an owner's chunks back, layer by layer. Chunks that sit next to each other
+in a slab are coalesced into one large O_DIRECT request; each directory keeps
+several requests in flight; a bounded window of layers runs ahead of the consumer.
+Every chunk is checked against its checksum before its rows are used."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from hcache.storage.errors import ChunkError
+from hcache.storage.layout import CHUNK_TOKENS, Kind, num_chunks
+from hcache.storage.manifest import ChunkRow
+
+if TYPE_CHECKING:
+    from hcache.storage.store import ChunkStore
+
+
+@dataclass
+class Request:
+    dir: int
+    slab: str
+    first: int
+    count: int
+    chunks: list[ChunkRow]
+    min_layer: int
+
+
+@dataclass
+class LayerSlot:
+    out: torch.Tensor
+    remaining: int
+    ready: threading.Event = field(default_factory=threading.Event)
+    error: ChunkError | None = None
+
+
+def plan_requests(rows: list[ChunkRow], slot_bytes: dict[str, int], max_bytes: int, max_gap: int = 2) -> list[Request]:
+    """Coalesce slots of one slab that are at most `max_gap` apart, up to `max_bytes` a request."""
+    by_slab: dict[tuple[int, str], list[ChunkRow]] = defaultdict(list)
+    for r in rows:
+        by_slab[(r.dir, r.slab)].append(r)
+    out: list[Request] = []
+    for (d, slab), rs in by_slab.items():
+        rs.sort(key=lambda r: r.slot)
+        limit = max(1, max_bytes // slot_bytes[slab])
+        cur: list[ChunkRow] = []
+        for r in rs:
+            if cur and (r.slot - cur[-1].slot > max_gap or r.slot - cur[0].slot + 1 > limit):
+                out.append(_request(d, slab, cur))
+                cur = []
+            cur.append(r)
+        if cur:
+            out.append(_request(d, slab, cur))
+    out.sort(key=lambda q: (q.min_layer, q.first))
+    return out
+
+
+def _request(d: int, slab: str, rows: list[ChunkRow]) -> Request:
+    first = rows[0].slot
+    return Request(d, slab, first, rows[-1].slot - first + 1, list(rows), min(r.layer for r in rows))
+
+
+class OwnerReader:
+    """Fetches the stored layers of one owner; `get(layer)` blocks until that layer is whole."""
+
+    def __init__(self, store: ChunkStore, owner: str, layers: list[tuple[int, Kind]], num_tokens: int, window: int):
+        self.store, self.owner, self.n = store, owner, num_tokens
+        self.window = max(1, window)
+        self.slots: dict[int, LayerSlot] = {}
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+        self._cursor = min((layer for layer, _ in layers), default=0)
+        needed = num_chunks(num_tokens)
+        index = store.chunk_index(owner)
+        rows: list[ChunkRow] = []
+        for layer, kind in layers:
+            shape = store.shapes[kind]
+            width = shape.width
+            out = torch.empty((num_tokens, width) if kind == Kind.HIDDEN else (2, num_tokens, width), dtype=shape.dtype)
+            slot = self.slots[layer] = LayerSlot(out, needed)
+            have = index.get((layer, kind.value), {})
+            for idx in range(needed):
+                r = have.get(idx)
+                want = min(CHUNK_TOKENS, num_tokens - idx * CHUNK_TOKENS)
+                if r is None or r.ntokens < want:
+                    slot.error = ChunkError(
+                        owner, layer, idx, "missing" if r is None else f"holds {r.ntokens} < {want} tokens"
+                    )
+                    continue
+                rows.append(r)
+            if slot.error is not None or needed == 0:
+                slot.ready.set()
+        rows = [r for r in rows if self.slots[r.layer].error is None]
+        sizes = {s.slab: s.slot_bytes for s in store.shapes.values()}
+        self._pending: dict[int, list[Request]] = defaultdict(list)
+        for q in plan_requests(rows, sizes, store.cfg.max_request_bytes):
+            self._pending[q.dir].append(q)
+        self._issue()
+
+    def _issue(self) -> None:
+        """Submit requests whose first layer is inside the window."""
+        with self._lock:
+            horizon = self._cursor + self.window
+            for d, reqs in self._pending.items():
+                while reqs and reqs[0].min_layer < horizon:
+                    self.store.submit_read(d, self._run, reqs.pop(0))
+
+    def _run(self, q: Request, buf: memoryview) -> None:
+        try:
+            slab = self.store.slab(q.dir, q.slab)
+            got = slab.read(q.first, q.count, buf)
+        except Exception as e:  # any failure is this request's chunks' failure, never a hang
+            for r in q.chunks:
+                self._fail(r, f"read error: {e}")
+            return
+        with self._lock:
+            self.bytes_read += len(got)
+        for r in q.chunks:
+            off = (r.slot - q.first) * slab.slot_bytes
+            shape = self.store.shapes[Kind(r.kind)]
+            data = got[off : off + shape.nbytes]
+            if len(data) < shape.nbytes:
+                self._fail(r, "slot beyond the end of its slab")
+            elif zlib.crc32(data) != r.checksum:
+                self.store.count_checksum_failure()
+                self._fail(r, "checksum mismatch")
+            else:
+                self._place(r, torch.frombuffer(data, dtype=shape.dtype).view(shape.shape))
+
+    def _place(self, r: ChunkRow, chunk: torch.Tensor) -> None:
+        slot = self.slots[r.layer]
+        start = r.idx * CHUNK_TOKENS
+        n = min(CHUNK_TOKENS, self.n - start)
+        if Kind(r.kind) == Kind.HIDDEN:
+            slot.out[start : start + n] = chunk[:n]
+        else:
+            slot.out[:, start : start + n] = chunk[:, :n]
+        self._done(slot)
+
+    def _fail(self, r: ChunkRow, reason: str) -> None:
+        slot = self.slots[r.layer]
+        if slot.error is None:
+            slot.error = ChunkError(self.owner, r.layer, r.idx, reason)
+        self._done(slot)
+
+    def _done(self, slot: LayerSlot) -> None:
+        with self._lock:
+            slot.remaining -= 1
+            if slot.remaining == 0:
+                slot.ready.set()
+
+    def get(self, layer: int) -> torch.Tensor:
+        """The layer's rows: `[T, hidden]` for H, `[2, T, kv_dim]` (K then V) for KV."""
+        slot = self.slots[layer]
+        with self._lock:
+            self._cursor = max(self._cursor, layer)
+        self._issue()
+        slot.ready.wait()
+        if slot.error is not None:
+            raise slot.error
+        return slot.out
+
+
+class ReadPool:
+    """Per-directory reader threads sharing a pool of aligned request buffers."""
+
+    def __init__(self, n_dirs: int, depth: int, buf_bytes: int, make_buffer):  # noqa: ANN001
+        self.queues = [queue.Queue() for _ in range(n_dirs)]
+        self.buffers: queue.Queue = queue.Queue()
+        for _ in range(n_dirs * depth):
+            self.buffers.put(make_buffer(buf_bytes))
+        self.threads = [
+            threading.Thread(target=self._loop, args=(q,), name=f"hcache-reader-{d}", daemon=True)
+            for d, q in enumerate(self.queues)
+            for _ in range(depth)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def submit(self, d: int, fn, req: Request) -> None:  # noqa: ANN001
+        self.queues[d].put((fn, req))
+
+    def _loop(self, q: queue.Queue) -> None:
+        while (item := q.get()) is not None:
+            fn, req = item
+            buf = self.buffers.get()
+            try:
+                fn(req, buf)
+            finally:
+                self.buffers.put(buf)
+
+    def close(self) -> None:
+        for q in self.queues:
+            for _ in range(len(self.threads)):
+                q.put(None)

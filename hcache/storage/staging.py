@@ -1,0 +1,116 @@
+"""Stage 1 of saving: a bounded ring of preallocated memory (pinned on CUDA) that
+takes one copy per layer of a whole batch's rows. A full ring blocks the producer
+(counted as a wait) and never drops data; stage 2 releases entries as it packs
+them, possibly out of order."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from hcache.storage.layout import Kind
+
+
+@dataclass
+class Segment:
+    """Rows `row:row+n` of a staged batch are tokens `start:start+n` of `owner`."""
+
+    owner: str
+    start: int
+    n: int
+    row: int
+
+
+@dataclass
+class StagedBatch:
+    offset: int
+    nbytes: int
+    num_rows: int
+    hidden: dict[int, torch.Tensor]  # layer -> [rows, hidden]
+    kv: dict[int, torch.Tensor]  # layer -> [rows, 2, kv_dim]
+    segments: list[Segment] = field(default_factory=list)
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # owner -> the token ids of its rows
+
+
+class StagingRing:
+    def __init__(self, capacity_bytes: int, hidden_size: int, kv_dim: int, dtype: torch.dtype, device: torch.device):
+        pin = device.type == "cuda" and torch.cuda.is_available()
+        self.buf = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pin)
+        self.capacity = capacity_bytes
+        self.hidden_size, self.kv_dim, self.dtype = hidden_size, kv_dim, dtype
+        self.elem = torch.finfo(dtype).bits // 8
+        self.cond = threading.Condition()
+        self.entries: deque[list] = deque()  # [offset, end, released], oldest first
+        self.head = 0  # next free byte
+        self.waits = 0
+        self.wait_seconds = 0.0
+        self.closed = False
+
+    def used_bytes(self) -> int:
+        with self.cond:
+            return sum(e[1] - e[0] for e in self.entries)
+
+    def acquire(self, num_rows: int, layers: dict[int, Kind | set[Kind]]) -> StagedBatch:
+        """Room for `num_rows` rows of each (layer, kind) asked for; blocks while the ring is full."""
+        kinds = {layer: ({k} if isinstance(k, Kind) else set(k)) for layer, k in layers.items()}
+        row_bytes = {Kind.HIDDEN: self.hidden_size * self.elem, Kind.KV: 2 * self.kv_dim * self.elem}
+        sizes = [(layer, k, num_rows * row_bytes[k]) for layer in sorted(kinds) for k in sorted(kinds[layer])]
+        nbytes = sum(_align(s) for *_, s in sizes)
+        if nbytes > self.capacity:
+            raise ValueError(f"a batch of {nbytes} bytes does not fit a staging ring of {self.capacity}")
+        with self.cond:
+            start = self._fit(nbytes)
+            if start is None:
+                self.waits += 1
+                t0 = time.perf_counter()
+                while (start := self._fit(nbytes)) is None:
+                    if self.closed:
+                        raise RuntimeError("staging ring closed")
+                    self.cond.wait()
+                self.wait_seconds += time.perf_counter() - t0
+            self.entries.append([start, start + nbytes, False])
+            self.head = start + nbytes
+        batch = StagedBatch(start, nbytes, num_rows, {}, {})
+        off = start
+        for layer, k, size in sizes:
+            raw = self.buf[off : off + size].view(self.dtype)
+            if k == Kind.HIDDEN:
+                batch.hidden[layer] = raw.view(num_rows, self.hidden_size)
+            else:
+                batch.kv[layer] = raw.view(num_rows, 2, self.kv_dim)
+            off += _align(size)
+        return batch
+
+    def _fit(self, n: int) -> int | None:
+        if not self.entries:
+            self.head = 0
+            return 0
+        tail = self.entries[0][0]
+        if self.head > tail or (self.head == tail and not self.entries):
+            if self.capacity - self.head >= n:
+                return self.head
+            return 0 if tail >= n else None  # wrap to the front
+        return self.head if tail - self.head >= n else None
+
+    def release(self, batch: StagedBatch) -> None:
+        with self.cond:
+            for e in self.entries:
+                if e[0] == batch.offset and e[1] == batch.offset + batch.nbytes:
+                    e[2] = True
+                    break
+            while self.entries and self.entries[0][2]:
+                self.entries.popleft()
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
+def _align(n: int, a: int = 64) -> int:
+    return (n + a - 1) // a * a

@@ -1,0 +1,420 @@
+"""The chunk store: where sessions' and contexts' state lives between turns and
+across restarts. Several directories (one per device), slab files of fixed slots,
+a SQLite manifest, two-stage saving (staging ring -> packer -> per-directory
+writers) and coalesced, checksummed reads."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import threading
+import zlib
+from collections import defaultdict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hcache.config import ModelConfig
+from hcache.storage.errors import ChunkError, FingerprintMismatch, StorageError, StorageFull, StoreLocked, UnknownOwner
+from hcache.storage.flusher import ChunkWrite, DirWriter, FlushTail, Forget, Packer
+from hcache.storage.layout import (
+    CHUNK_TOKENS,
+    ChunkShape,
+    Kind,
+    chunk_shapes,
+    decode_layer_kinds,
+    encode_layer_kinds,
+    home_dir,
+    parse_slab,
+)
+from hcache.storage.manifest import ChunkRow, Manifest, OwnerRow
+from hcache.storage.reader import OwnerReader, ReadPool
+from hcache.storage.slab import SlabFile, SlotAllocator, aligned_buffer
+from hcache.storage.staging import Segment, StagedBatch, StagingRing
+
+log = logging.getLogger(__name__)
+MANIFEST = "manifest.sqlite"
+LOCK = "hcache.lock"
+
+
+@dataclass
+class StorageConfig:
+    dirs: list[str]
+    quota_bytes: int = 0  # per directory; 0 means the filesystem's free space is the limit
+    staging_bytes: int = 64 << 20
+    direct_io: bool = True
+    max_request_bytes: int = 8 << 20
+    read_depth: int = 4  # requests in flight per directory
+    prefetch_layers: int = 8
+    fsync_group_bytes: int = 16 << 20
+
+
+@dataclass
+class DirUsage:
+    path: str
+    used_bytes: int  # slots referenced by committed chunks
+    slab_bytes: int  # size of the slab files
+    quota_bytes: int
+    fs_free_bytes: int
+    chunks: int
+    bytes_written: int = 0
+
+
+@dataclass
+class StoreStats:
+    checksum_failures: int = 0
+    ring_waits: int = 0
+    ring_wait_seconds: float = 0.0
+    recovered_orphan_slots: int = 0
+    dropped_stale_chunks: int = 0
+    bytes_read: int = 0
+    per_dir: list[DirUsage] = field(default_factory=list)
+
+
+class ChunkStore:
+    def __init__(self, cfg: StorageConfig, model: ModelConfig, dtype: torch.dtype, device: str = "cpu"):
+        if not cfg.dirs:
+            raise ValueError("at least one storage directory is needed")
+        self.cfg, self.model, self.dtype = cfg, model, dtype
+        self.dirs = [Path(d).resolve() for d in cfg.dirs]
+        for d in self.dirs:
+            if not d.is_dir():
+                raise FileNotFoundError(f"storage directory missing: {d}")
+        self._lock_fd = os.open(self.dirs[0] / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise StoreLocked(f"{self.dirs[0]} is in use by another hcache process") from None
+        self.manifest = Manifest(self.dirs[0] / MANIFEST)
+        known = self.manifest.get_meta("dirs")
+        listed = "\n".join(map(str, self.dirs))
+        if known is not None and known != listed:
+            self.close()
+            raise StorageError(
+                f"storage directories differ from the ones this store was created with:\n{known}\n"
+                "chunks are placed by directory position; start with the same list, in the same order"
+            )
+        self.manifest.set_meta("dirs", listed)
+        self.shapes: dict[Kind, ChunkShape] = chunk_shapes(model, dtype)
+        self.lock = threading.RLock()
+        self.slabs: dict[tuple[int, str], SlabFile] = {}
+        self.allocs: dict[tuple[int, str], SlotAllocator] = {}
+        self.index: dict[str, dict[tuple[int, str], dict[int, ChunkRow]]] = {}
+        self.seqs: dict[tuple[str, int, int, str], int] = {}
+        self.errors: dict[str, Exception] = {}
+        self.stats = StoreStats()
+        self._recover()
+        self.ring = StagingRing(cfg.staging_bytes, model.hidden_size, model.kv_dim, dtype, torch.device(device))
+        self.packer = Packer(self)
+        self.writers = [DirWriter(self, i, cfg.fsync_group_bytes) for i in range(len(self.dirs))]
+        self.reads = ReadPool(len(self.dirs), cfg.read_depth, cfg.max_request_bytes, aligned_buffer)
+        for t in (self.packer, *self.writers):
+            t.start()
+        self._closed = False
+
+    # --- startup ----------------------------------------------------------------
+    def _recover(self) -> None:
+        """Rebuild slot maps from the manifest: unreferenced slots are free, and slab
+        tails past the last referenced slot are cut off; chunks wholly past an owner's
+        durable tokens (a turn that never finished) are dropped."""
+        owners = {o.owner: o for o in self.manifest.owners()}
+        rows = self.manifest.chunks()
+        stale = [r for r in rows if r.owner not in owners or r.idx * CHUNK_TOKENS >= owners[r.owner].num_tokens]
+        if stale:
+            self.manifest.delete_chunks(stale)
+            self.stats.dropped_stale_chunks = len(stale)
+        stale_set = set(stale)
+        used: dict[tuple[int, str], set[int]] = defaultdict(set)
+        for o in owners:
+            self.index[o] = defaultdict(dict)
+        for r in rows:
+            if r not in stale_set:
+                used[(r.dir, r.slab)].add(r.slot)
+                self.index[r.owner][(r.layer, r.kind)][r.idx] = r
+        names = {s.slab for s in self.shapes.values()} | {k[1] for k in used}
+        for d, path in enumerate(self.dirs):
+            names_here = names | {p.name[: -len(".slab")] for p in path.glob("*.slab")}
+            for name in names_here:
+                slab = self.slab(d, name)
+                slots = used.get((d, name), set())
+                keep = max(slots) + 1 if slots else 0
+                high = slab.num_slots
+                self.stats.recovered_orphan_slots += max(0, high - keep) + (keep - len(slots))
+                if high > keep:
+                    slab.truncate(keep)
+                self.allocs[(d, name)] = SlotAllocator(slots, keep)
+
+    def slab(self, d: int, name: str) -> SlabFile:
+        key = (d, name)
+        with self.lock:
+            if key not in self.slabs:
+                self.slabs[key] = SlabFile(self.dirs[d] / f"{name}.slab", parse_slab(name)[2], self.cfg.direct_io)
+                self.allocs.setdefault(key, SlotAllocator(set(), self.slabs[key].num_slots))
+            return self.slabs[key]
+
+    # --- owners -----------------------------------------------------------------
+    def create_owner(
+        self,
+        owner: str,
+        layer_kinds: list[Kind | None],
+        fingerprint: str,
+        kind: str = "session",
+        meta: dict | None = None,
+    ) -> None:
+        if len(layer_kinds) != self.model.num_layers:
+            raise ValueError(f"{len(layer_kinds)} layer kinds for a {self.model.num_layers}-layer model")
+        with self.lock:
+            if self.manifest.get_owner(owner) is not None:
+                raise ValueError(f"owner {owner} already exists")
+            self.manifest.create_owner(owner, kind, fingerprint, encode_layer_kinds(layer_kinds), meta)
+            self.index[owner] = defaultdict(dict)
+
+    def owner_row(self, owner: str) -> OwnerRow:
+        row = self.manifest.get_owner(owner)
+        if row is None:
+            raise UnknownOwner(f"unknown owner {owner}")
+        return row
+
+    def check_fingerprint(self, owner: str, fingerprint: str) -> OwnerRow:
+        row = self.owner_row(owner)
+        if row.fingerprint != fingerprint:
+            raise FingerprintMismatch(
+                f"owner {owner} was saved by another model (fingerprint {row.fingerprint[:12]}, "
+                f"this model {fingerprint[:12]}): its state cannot be restored with this model"
+            )
+        return row
+
+    @staticmethod
+    def layer_kinds(row: OwnerRow) -> list[Kind | None]:
+        return decode_layer_kinds(row.layer_kinds)
+
+    def owners(self) -> list[OwnerRow]:
+        return self.manifest.owners()
+
+    # --- saving -----------------------------------------------------------------
+    def acquire(self, segments: list[tuple[str, int, int]]) -> StagedBatch:
+        """Stage 1: ring room for a batch whose rows are, in order, `(owner, start_token, n)`.
+        Fill `batch.hidden[layer]` / `batch.kv[layer]` (one copy per layer), then `submit`."""
+        need: dict[int, set[Kind]] = defaultdict(set)
+        for owner, *_ in segments:
+            for layer, k in enumerate(self.layer_kinds(self.owner_row(owner))):
+                if k is not None:
+                    need[layer].add(k)
+        total = sum(n for *_, n in segments)
+        batch = self.ring.acquire(total, dict(need))
+        row = 0
+        for owner, start, n in segments:
+            batch.segments.append(Segment(owner, start, n, row))
+            row += n
+        self.stats.ring_waits, self.stats.ring_wait_seconds = self.ring.waits, self.ring.wait_seconds
+        return batch
+
+    def submit(self, batch: StagedBatch) -> None:
+        self.packer.inbox.put(batch)
+
+    def save_rows(self, owner: str, start: int, hidden: dict[int, torch.Tensor], kv: dict[int, torch.Tensor]) -> None:
+        """Convenience for one owner: stage rows given per layer (H `[n, hidden]`, KV `[n, 2, kv_dim]`)."""
+        n = next(iter(hidden.values() or kv.values())).shape[0]
+        batch = self.acquire([(owner, start, n)])
+        for layer, t in batch.hidden.items():
+            t.copy_(hidden[layer])
+        for layer, t in batch.kv.items():
+            t.copy_(kv[layer])
+        self.submit(batch)
+
+    def mark_durable(self, owner: str, tokens: list[int]) -> None:
+        """End of a turn: write the tail chunks, wait for every chunk of the owner to be
+        committed, then record the token ids. Returns only when the turn is durable."""
+        self.owner_row(owner)
+        done = _future()
+        self.packer.inbox.put(FlushTail(owner, done))
+        pending, staged = done.result()
+        for f in pending:
+            f.result()  # a failed write raises here: the turn is not durable
+        err = self.errors.pop(owner, None)
+        if err is not None:
+            raise StorageError(f"saving {owner} failed: {err}") from err
+        if staged != len(tokens):
+            raise ValueError(f"owner {owner}: {len(tokens)} token ids for {staged} staged rows")
+        self.manifest.set_tokens(owner, tokens)
+
+    def truncate(self, owner: str, n: int) -> None:
+        """Forget tokens past `n` (a conversation rewritten from there). Durable at once."""
+        row = self.owner_row(owner)
+        if n > row.num_tokens:
+            raise ValueError(f"owner {owner} has {row.num_tokens} durable tokens, cannot keep {n}")
+        self._forget(owner)
+        self.manifest.set_tokens(owner, row.tokens[:n])
+
+    def delete(self, owner: str) -> None:
+        self.owner_row(owner)
+        self._forget(owner)
+        with self.lock:
+            rows = self.manifest.delete_owner(owner)
+            self.index.pop(owner, None)
+            for r in rows:
+                self.release_slot(r.dir, r.slab, r.slot)
+            for alloc in self.allocs.values():
+                alloc.drop_reservations(owner)
+
+    def _forget(self, owner: str) -> None:
+        """Wait for the owner's queued writes, then drop its packing state."""
+        drained = _future()
+        self.packer.inbox.put(FlushTail(owner, drained, write_tail=False))
+        pending, _ = drained.result()
+        for f in pending:
+            f.exception()  # wait; a failed write of state being dropped does not matter
+        done = _future()
+        self.packer.inbox.put(Forget(owner, done))
+        done.result()
+
+    # --- called by the packer and writers ---------------------------------------
+    def new_chunk(self, kind: Kind) -> torch.Tensor:
+        return torch.zeros(self.shapes[kind].shape, dtype=self.dtype)
+
+    def dispatch(self, w: ChunkWrite) -> None:
+        """Place a chunk: its home directory, or the next one with room; then queue its write."""
+        shape = self.shapes[w.kind]
+        full = w.ntokens == CHUNK_TOKENS
+        n = len(self.dirs)
+        with self.lock:
+            for step in range(n):
+                d = (home_dir(w.layer, w.idx, n) + step) % n
+                self.slab(d, shape.slab)
+                slot = self.allocs[(d, shape.slab)].allocate((w.owner, w.layer) if full else None, self._room(d, shape))
+                if slot is not None:
+                    w.dir, w.slab, w.slot = d, shape.slab, slot
+                    self.writers[d].inbox.put(w)
+                    return
+        w.future.set_exception(
+            StorageFull(f"all {n} storage directories are full (quota {self.cfg.quota_bytes} bytes each)")
+        )
+
+    def _room(self, d: int, shape: ChunkShape) -> int:
+        """Slots the quota still allows to be added to directory `d`'s slab files."""
+        if not self.cfg.quota_bytes:
+            return 1 << 40
+        allocated = sum(a.high * parse_slab(name)[2] for (dd, name), a in self.allocs.items() if dd == d)
+        return max(0, (self.cfg.quota_bytes - allocated) // shape.slot_bytes)
+
+    def commit(self, group: list[ChunkWrite], rows: list[ChunkRow]) -> None:
+        with self.lock:
+            keep, drop = [], []
+            for w, r in zip(group, rows, strict=True):
+                key = (w.owner, w.layer, w.idx, w.kind.value)
+                if w.owner not in self.index or self.seqs.get(key, 0) > w.seq:
+                    drop.append(r)  # owner deleted, or a newer version already committed
+                else:
+                    keep.append(r)
+                    self.seqs[key] = w.seq
+            replaced = self.manifest.commit_chunks(keep)
+            for r in keep:
+                self.index[r.owner][(r.layer, r.kind)][r.idx] = r
+            for r in replaced + drop:
+                self.release_slot(r.dir, r.slab, r.slot)
+
+    def release_slot(self, d: int, slab: str, slot: int) -> None:
+        if slot < 0:
+            return
+        with self.lock:
+            self.allocs[(d, slab)].release(slot)
+
+    def storage_error(self, e: Exception, d: int) -> Exception:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return StorageFull(f"storage directory {self.dirs[d]} is full: {e.strerror}")
+        return e if isinstance(e, StorageError) else StorageError(f"write to {self.dirs[d]} failed: {e}")
+
+    def poison(self, owner: str, e: Exception) -> None:
+        self.errors[owner] = e
+
+    # --- reading ----------------------------------------------------------------
+    def chunk_index(self, owner: str) -> dict[tuple[int, str], dict[int, ChunkRow]]:
+        with self.lock:
+            if owner not in self.index:
+                raise UnknownOwner(f"unknown owner {owner}")
+            return {k: dict(v) for k, v in self.index[owner].items()}
+
+    def reader(self, owner: str, layers: list[int] | None = None, window: int | None = None) -> OwnerReader:
+        row = self.owner_row(owner)
+        kinds = self.layer_kinds(row)
+        wanted = [(layer, kinds[layer]) for layer in (layers if layers is not None else range(len(kinds)))]
+        if any(k is None for _, k in wanted):
+            raise ValueError("asked for a layer that stores nothing (it is restored by recompute)")
+        return OwnerReader(self, owner, wanted, row.num_tokens, window or self.cfg.prefetch_layers)  # type: ignore[arg-type]
+
+    def read_chunk(self, owner: str, layer: int, idx: int, kind: Kind) -> torch.Tensor:
+        """One whole chunk (all 64 rows of its slot), checked."""
+        row = self.chunk_index(owner).get((layer, kind.value), {}).get(idx)
+        if row is None:
+            raise ChunkError(owner, layer, idx, "missing")
+        shape = self.shapes[kind]
+        got = self.slab(row.dir, row.slab).read(row.slot, 1, aligned_buffer(shape.slot_bytes))
+        if len(got) < shape.nbytes or zlib.crc32(got[: shape.nbytes]) != row.checksum:
+            self.count_checksum_failure()
+            raise ChunkError(owner, layer, idx, "checksum mismatch")
+        return torch.frombuffer(bytearray(got[: shape.nbytes]), dtype=self.dtype).view(shape.shape)
+
+    def submit_read(self, d: int, fn, req) -> None:  # noqa: ANN001
+        self.reads.submit(d, fn, req)
+
+    def count_checksum_failure(self) -> None:
+        with self.lock:
+            self.stats.checksum_failures += 1
+
+    # --- accounting -------------------------------------------------------------
+    def usage(self) -> list[DirUsage]:
+        out = []
+        with self.lock:
+            for d, path in enumerate(self.dirs):
+                used = slab_bytes = chunks = 0
+                for (dd, name), a in self.allocs.items():
+                    if dd == d:
+                        slot = parse_slab(name)[2]
+                        used += a.num_used * slot
+                        slab_bytes += a.high * slot
+                        chunks += a.num_used
+                out.append(
+                    DirUsage(
+                        str(path),
+                        used,
+                        slab_bytes,
+                        self.cfg.quota_bytes,
+                        shutil.disk_usage(path).free,
+                        chunks,
+                        self.writers[d].bytes_written if hasattr(self, "writers") else 0,
+                    )
+                )
+        return out
+
+    def close(self) -> None:
+        if getattr(self, "_closed", True) is False:
+            self._closed = True
+            self.packer.inbox.put(None)
+            self.packer.join()
+            for w in self.writers:
+                w.inbox.put(None)
+            for w in self.writers:
+                w.join()
+            self.reads.close()
+            self.ring.close()
+        for s in self.slabs.values():
+            s.close()
+        self.slabs.clear()
+        self.manifest.close()
+        os.close(self._lock_fd)
+
+    def __enter__(self) -> ChunkStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _future() -> Future:
+    return Future()
