@@ -14,7 +14,7 @@ from hcache.model.base import DecoderModel
 from hcache.model.tokenizer import Tokenizer
 from hcache.restore.plan import Plan
 from hcache.restore.restorer import RestoreReport, restore
-from hcache.restore.state import MemoryState
+from hcache.restore.state import MemoryState, Recorder, StateSource
 
 
 def generate(
@@ -23,7 +23,7 @@ def generate(
     prompt: list[int],
     params: SamplingParams,
     stop_ids: set[int],
-    state: MemoryState | None = None,
+    state: Recorder | None = None,
 ) -> Iterator[int]:
     """Yield new tokens after `prompt`, which continues what `cache` holds.
 
@@ -63,10 +63,16 @@ class ChatSession:
     Each turn renders the whole conversation with the chat template and prefills only what
     the session has not seen: the longest common prefix with the processed tokens stays."""
 
-    def __init__(self, model: DecoderModel, tokenizer: Tokenizer, system_prompt: str | None = None):
+    def __init__(
+        self,
+        model: DecoderModel,
+        tokenizer: Tokenizer,
+        system_prompt: str | None = None,
+        recorder: Recorder | None = None,
+    ):
         self.model, self.tok = model, tokenizer
         self.messages: list[dict[str, str]] = []
-        self.state = MemoryState(model.cfg, model.dtype, model.device)
+        self.state: Recorder = recorder or MemoryState(model.cfg, model.dtype, model.device)
         self.cache: KVCache | None = KVCache(model.cfg, model.dtype, model.device)
         if system_prompt is not None:
             self.messages.append({"role": "system", "content": system_prompt})
@@ -79,6 +85,7 @@ class ChatSession:
     def _prefill(self, ids: list[int]) -> None:
         for _ in generate(self.model, self._live(), ids, SamplingParams(max_new_tokens=1), set(), self.state):
             pass
+        self.state.end_turn()
 
     def _live(self) -> KVCache:
         if self.cache is None:
@@ -94,6 +101,7 @@ class ChatSession:
         self.state.truncate(keep)
         cache.truncate(keep)
         out = list(generate(self.model, cache, ids[keep:], params, self.tok.stop_ids, self.state))
+        self.state.end_turn()
         text = self.tok.decode(out)
         self.messages += [{"role": "user", "content": message}, {"role": "assistant", "content": text}]
         return text, out
@@ -101,12 +109,18 @@ class ChatSession:
     def drop_kv(self) -> None:
         self.cache = None
 
-    def restore(self, plan: Plan) -> RestoreReport:
-        self.cache, report = restore(self.model, plan, self.state)
+    def restore(self, plan: Plan, source: StateSource | None = None) -> RestoreReport:
+        """Bring the KV back from `source` (default: this session's own recorded state)."""
+        src = source if source is not None else self.state
+        if not isinstance(src, StateSource):
+            raise TypeError("this session's recorder is not a restore source; pass one")
+        self.cache, report = restore(self.model, plan, src)
         return report
 
     def fork(self) -> ChatSession:
         """A copy sharing nothing mutable: the demo runs each restore path on its own fork."""
+        if not isinstance(self.state, MemoryState):
+            raise TypeError("only an in-memory session can be forked")
         other = object.__new__(ChatSession)
         other.model, other.tok, other.messages = self.model, self.tok, list(self.messages)
         other.state = self.state.copy()

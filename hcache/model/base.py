@@ -5,6 +5,8 @@ path: the same projection and RoPE the forward applies, from a given hidden stat
 
 from __future__ import annotations
 
+import hashlib
+import json
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -54,12 +56,13 @@ class DecoderModel(nn.Module, ABC):
         tokens: torch.Tensor,
         positions: torch.Tensor,
         cache: KVCache,
-        hidden_out: torch.Tensor | None = None,
+        hidden_out: torch.Tensor | dict[int, torch.Tensor] | None = None,
         num_layers: int | None = None,
     ) -> torch.Tensor:
         """Run `tokens` `[T]` at `positions` `[T]`, appending their K/V to `cache`.
 
-        hidden_out: optional `[L, T, hidden]` buffer; layer l's input is copied to `hidden_out[l]`.
+        hidden_out: `[L, T, hidden]` or {layer: `[T, hidden]`}; layer l's input is copied to `hidden_out[l]`
+            (a staging-ring slot: the one copy per layer of the save path).
         num_layers: run only layers 0..n-1 (recompute a prefix) and return layer n's input.
         Returns the final normalised hidden states `[T, hidden]` (or layer n's input)."""
         n = self.cfg.num_layers if num_layers is None else num_layers
@@ -67,8 +70,9 @@ class DecoderModel(nn.Module, ABC):
         h = self.embed(tokens, positions)
         pos = self.pos_context(positions)
         for i in range(n):
-            if hidden_out is not None:
-                hidden_out[i].copy_(h)
+            dst = _slot(hidden_out, i)
+            if dst is not None:
+                dst.copy_(h)
             h = self.layers[i](h, pos, cache, i)
         cache.commit()
         return self.head_norm(h) if n == self.cfg.num_layers else h
@@ -77,6 +81,25 @@ class DecoderModel(nn.Module, ABC):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h).float()
 
+    def fingerprint(self) -> str:
+        """Identifies what stored state depends on: geometry, dtype and the weights themselves
+        (a strided sample of every tensor, so loading a 7B model does not hash 14 GB)."""
+        h = hashlib.sha256(json.dumps(self.cfg.fingerprint_fields(), sort_keys=True).encode())
+        h.update(str(self.dtype).encode())
+        for name, t in sorted(self.state_dict().items()):
+            flat = t.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 65536)].contiguous().cpu()
+            h.update(name.encode())
+            h.update(str(tuple(t.shape)).encode())
+            h.update(sample.view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
     @torch.inference_mode()
     def kv_from_hidden(self, layer: int, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.layers[layer].kv_from_hidden(h, self.pos_context(positions))
+
+
+def _slot(hidden_out: torch.Tensor | dict[int, torch.Tensor] | None, layer: int) -> torch.Tensor | None:
+    if isinstance(hidden_out, dict):
+        return hidden_out.get(layer)
+    return None if hidden_out is None else hidden_out[layer]

@@ -63,6 +63,19 @@ def load(name: str = "default", dtype: str = "float32", device: str = "cpu") -> 
     return LoadedModel(model.to(device=device, dtype=DTYPES[dtype]).eval(), tok, path)
 
 
+def read_config(name: str = "default") -> ModelConfig:
+    """The geometry alone, without loading weights."""
+    path = resolve_model_path(name)
+    if path.is_dir():
+        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    fields = read_gguf_fields(reader)
+    names = {t.name for t in reader.tensors}
+    return gguf_config(fields, fields.get("general.architecture", ""), "output.weight" in names)
+
+
 def build_model(
     cfg: ModelConfig, state: dict[str, torch.Tensor], freq_factors: torch.Tensor | None = None
 ) -> DecoderModel:

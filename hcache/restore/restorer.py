@@ -15,7 +15,7 @@ import torch
 from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
 from hcache.restore.plan import Method, Plan
-from hcache.restore.state import StateSource
+from hcache.restore.state import StateSource, StateUnavailable
 
 
 @dataclass
@@ -25,6 +25,7 @@ class RestoreReport:
     bytes_read: int
     ms: float
     ms_by_method: dict[str, float] = field(default_factory=dict)
+    fallback_layers: int = 0  # layers recomputed because their stored state was unusable
 
 
 def recompute_prefix(model: DecoderModel, tokens: list[int], cache: KVCache, num_layers: int) -> None:
@@ -46,6 +47,8 @@ def kv_as_saved(layer: int, k: torch.Tensor, v: torch.Tensor, cache: KVCache) ->
 def restore(
     model: DecoderModel, plan: Plan, source: StateSource, cache: KVCache | None = None
 ) -> tuple[KVCache, RestoreReport]:
+    """Run `plan` against `source`. A layer whose stored state is unusable is recomputed
+    from tokens, together with every layer before it (recompute must be a prefix)."""
     cfg = model.cfg
     if len(plan.methods) != cfg.num_layers:
         raise ValueError(f"plan has {len(plan.methods)} layers, the model {cfg.num_layers}")
@@ -54,20 +57,33 @@ def restore(
     cache = cache or KVCache(cfg, model.dtype, model.device, capacity=max(256, n))
     cache.truncate(0)
     cache.reserve(n)
+    source.prepare(plan)
     spent = dict.fromkeys((m.value for m in Method), 0.0)
     t0 = time.perf_counter()
-    if plan.n_recompute:
-        recompute_prefix(model, tokens, cache, plan.n_recompute)
+    recomputed = plan.n_recompute
+    if recomputed:
+        recompute_prefix(model, tokens, cache, recomputed)
     spent[Method.RECOMPUTE.value] = time.perf_counter() - t0
+    fallbacks = 0
     with torch.inference_mode():
         for layer in range(plan.n_recompute, cfg.num_layers):
             t = time.perf_counter()
-            if plan.methods[layer] == Method.HIDDEN:
-                kv_from_hidden(model, layer, source.hidden(layer), cache)
-            else:
-                kv_as_saved(layer, *source.kv(layer), cache)
+            try:
+                if plan.methods[layer] == Method.HIDDEN:
+                    kv_from_hidden(model, layer, source.hidden(layer), cache)
+                else:
+                    kv_as_saved(layer, *source.kv(layer), cache)
+            except StateUnavailable:
+                fallbacks += layer + 1 - recomputed
+                cache.truncate(0)
+                recompute_prefix(model, tokens, cache, layer + 1)
+                recomputed = layer + 1
+                spent[Method.RECOMPUTE.value] += time.perf_counter() - t
+                continue
             spent[plan.methods[layer].value] += time.perf_counter() - t
     cache.length = n
     ms = (time.perf_counter() - t0) * 1e3
     elem = torch.finfo(model.dtype).bits // 8
-    return cache, RestoreReport(plan, n, plan.bytes_to_read(cfg, n, elem), ms, {k: v * 1e3 for k, v in spent.items()})
+    report = RestoreReport(plan, n, plan.bytes_to_read(cfg, n, elem), ms, {k: v * 1e3 for k, v in spent.items()})
+    report.fallback_layers = fallbacks
+    return cache, report

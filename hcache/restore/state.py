@@ -5,14 +5,25 @@ it; the chunk store (hcache/storage) is the persistent source with the same ABC.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 import torch
 
 from hcache.config import ModelConfig
 from hcache.model.attention import KVCache
+from hcache.restore.plan import Plan
+
+
+class StateUnavailable(Exception):
+    """A layer's stored state cannot be used (missing or corrupt): recompute it from tokens instead."""
+
+    layer: int
 
 
 class StateSource(ABC):
+    def prepare(self, plan: Plan) -> None:  # noqa: B027 - optional hook
+        """Start fetching what `plan` will read (a store prefetches; memory has nothing to do)."""
+
     @property
     @abstractmethod
     def tokens(self) -> list[int]: ...
@@ -24,6 +35,21 @@ class StateSource(ABC):
     @abstractmethod
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s post-RoPE K and V `[T, kv_heads, head_dim]`."""
+
+
+class Recorder(Protocol):
+    """Takes what each forward produced, as the generation loop runs (memory, or a store)."""
+
+    @property
+    def tokens(self) -> list[int]: ...
+
+    def hidden_slot(self, n: int) -> torch.Tensor | dict[int, torch.Tensor]: ...
+
+    def append(self, tokens: list[int], cache: KVCache) -> None: ...
+
+    def truncate(self, n: int) -> None: ...
+
+    def end_turn(self) -> None: ...
 
 
 class MemoryState(StateSource):
@@ -63,6 +89,9 @@ class MemoryState(StateSource):
     def truncate(self, n: int) -> None:
         del self._tokens[n:]
         self._kv.truncate(n)
+
+    def end_turn(self) -> None:
+        """Memory is as durable as it gets."""
 
     def hidden(self, layer: int) -> torch.Tensor:
         return self._hidden[layer, : len(self._tokens)]

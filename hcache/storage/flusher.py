@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 import zlib
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -20,7 +21,6 @@ import torch
 from hcache.storage.errors import StorageError
 from hcache.storage.layout import CHUNK_TOKENS, Kind
 from hcache.storage.manifest import ChunkRow
-from hcache.storage.slab import aligned_buffer
 from hcache.storage.staging import StagedBatch
 
 if TYPE_CHECKING:
@@ -30,12 +30,20 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class ChunkBuf:
+    """A chunk being filled: `t` is the chunk-shaped tensor over the aligned slot memory `mem`."""
+
+    mem: memoryview
+    t: torch.Tensor
+
+
+@dataclass
 class ChunkWrite:
     owner: str
     layer: int
     idx: int
     kind: Kind
-    data: torch.Tensor  # chunk-shaped, owned by this write
+    data: ChunkBuf  # owned by this write; returned to the pool once written
     ntokens: int
     seq: int
     dir: int = -1
@@ -50,8 +58,8 @@ class OpenOwner:
 
     kinds: list[Kind | None]
     next_token: int
-    chunks: dict[tuple[int, Kind], torch.Tensor] = field(default_factory=dict)
-    pending: list[Future] = field(default_factory=list)
+    chunks: dict[tuple[int, Kind], ChunkBuf] = field(default_factory=dict)
+    pending: deque[Future] = field(default_factory=deque)
     loaded: bool = False  # open chunks hold the durable tail rows
 
 
@@ -116,7 +124,8 @@ class Packer(threading.Thread):
             idx = st.next_token // CHUNK_TOKENS
             for layer, kind in enumerate(st.kinds):
                 if kind is not None:
-                    st.chunks[(layer, kind)] = self.store.read_chunk(owner, layer, idx, kind).clone()
+                    buf = st.chunks[(layer, kind)] = self.store.new_chunk(kind)
+                    buf.t.copy_(self.store.read_chunk(owner, layer, idx, kind))
         st.loaded = True
 
     def _pack(self, batch: StagedBatch) -> None:
@@ -137,20 +146,21 @@ class Packer(threading.Thread):
                     if buf is None or off == 0:
                         buf = st.chunks[(layer, kind)] = self.store.new_chunk(kind)
                     if kind == Kind.HIDDEN:
-                        buf[off : off + take] = batch.hidden[layer][rows]
+                        buf.t[off : off + take] = batch.hidden[layer][rows]
                     else:
-                        buf[:, off : off + take] = batch.kv[layer][rows].transpose(0, 1)
+                        buf.t[:, off : off + take] = batch.kv[layer][rows].transpose(0, 1)
                     if off + take == CHUNK_TOKENS:
                         self._emit(seg.owner, st, layer, idx, kind, buf, CHUNK_TOKENS)
                         del st.chunks[(layer, kind)]
                 done += take
             st.next_token += seg.n
 
-    def _emit(self, owner: str, st: OpenOwner, layer: int, idx: int, kind: Kind, data: torch.Tensor, n: int) -> None:
+    def _emit(self, owner: str, st: OpenOwner, layer: int, idx: int, kind: Kind, data: ChunkBuf, n: int) -> None:
         self.seq += 1
         w = ChunkWrite(owner, layer, idx, kind, data, n, self.seq)
-        # keep failed writes until a flush reports them
-        st.pending = [f for f in st.pending if not (f.done() and f.exception() is None)]
+        # drop writes known to have succeeded (they finish about in order); failed ones stay to be reported
+        while st.pending and st.pending[0].done() and st.pending[0].exception() is None:
+            st.pending.popleft()
         st.pending.append(w.future)
         self.store.dispatch(w)
 
@@ -162,8 +172,10 @@ class Packer(threading.Thread):
         n = st.next_token % CHUNK_TOKENS
         if n and write_tail:
             idx = st.next_token // CHUNK_TOKENS
-            for (layer, kind), buf in sorted(st.chunks.items()):
-                self._emit(owner, st, layer, idx, kind, buf.clone(), n)  # the open chunk keeps filling
+            for (layer, kind), buf in sorted(st.chunks.items(), key=lambda kv: kv[0]):
+                copy = self.store.new_chunk(kind)  # the open chunk keeps filling
+                copy.mem[:] = buf.mem
+                self._emit(owner, st, layer, idx, kind, copy, n)
         return list(st.pending), st.next_token
 
 
@@ -172,17 +184,17 @@ class DirWriter(threading.Thread):
 
     def __init__(self, store: ChunkStore, index: int, group_bytes: int = 16 << 20):
         super().__init__(name=f"hcache-writer-{index}", daemon=True)
-        self.store, self.index, self.group_bytes = store, index, group_bytes
+        self.store, self.index = store, index
+        self.slot_max = max(s.slot_bytes for s in store.shapes.values())
+        self.group_bytes = max(group_bytes, self.slot_max)
         self.inbox: queue.Queue = queue.Queue()
-        self.buf = aligned_buffer(max(s.slot_bytes for s in store.shapes.values()))
         self.bytes_written = 0
         self.write_seconds = 0.0
 
     def run(self) -> None:
         while (first := self.inbox.get()) is not None:
-            group, size = [first], first.data.numel() * first.data.element_size()
-            stop = False
-            while size < self.group_bytes:
+            group, size, stop = [first], self.slot_max, False
+            while size + self.slot_max <= self.group_bytes:
                 try:
                     nxt = self.inbox.get_nowait()
                 except queue.Empty:
@@ -191,23 +203,30 @@ class DirWriter(threading.Thread):
                     stop = True
                     break
                 group.append(nxt)
-                size += nxt.data.numel() * nxt.data.element_size()
+                size += self.slot_max
             self._write_group(group)
             if stop:
                 break
 
     def _write_group(self, group: list[ChunkWrite]) -> None:
+        """Chunks in consecutive slots of a slab go out as one vectored write; then one
+        fdatasync per slab, then one manifest transaction for the whole group."""
         t0 = time.perf_counter()
-        rows, slabs = [], set()
+        group.sort(key=lambda w: (w.slab, w.slot))
+        rows: list[ChunkRow] = []
+        slabs = set()
         try:
-            for w in group:
-                raw = w.data.contiguous().view(-1).view(torch.uint8)
-                torch.frombuffer(self.buf, dtype=torch.uint8, count=raw.numel()).copy_(raw)
-                slab = self.store.slab(w.dir, w.slab)
-                slab.write(w.slot, self.buf)
-                slabs.add(slab)
-                crc = zlib.crc32(memoryview(self.buf)[: raw.numel()])
-                rows.append(ChunkRow(w.owner, w.layer, w.idx, w.kind.value, w.dir, w.slab, w.slot, w.ntokens, crc))
+            run: list[ChunkWrite] = []
+            for w in [*group, None]:
+                if run and (w is None or w.slab != run[-1].slab or w.slot != run[-1].slot + 1):
+                    slab = self.store.slab(self.index, run[0].slab)
+                    slab.write_slots(run[0].slot, [x.data.mem for x in run])
+                    slabs.add(slab)
+                    run = []
+                if w is not None:
+                    run.append(w)
+                    crc = zlib.crc32(w.data.mem[: self.store.shapes[w.kind].nbytes])
+                    rows.append(ChunkRow(w.owner, w.layer, w.idx, w.kind.value, w.dir, w.slab, w.slot, w.ntokens, crc))
             for slab in slabs:
                 slab.sync()
             self.store.commit(group, rows)
@@ -215,10 +234,12 @@ class DirWriter(threading.Thread):
             err = self.store.storage_error(e, self.index)
             for w in group:
                 self.store.release_slot(w.dir, w.slab, w.slot)
+                self.store.free_chunk(w.kind, w.data)
                 if not w.future.done():
                     w.future.set_exception(err)
             return
-        self.bytes_written += sum(s.slot_bytes for s in (self.store.slab(w.dir, w.slab) for w in group))
+        self.bytes_written += len(group) and sum(len(w.data.mem) for w in group)
         self.write_seconds += time.perf_counter() - t0
         for w in group:
+            self.store.free_chunk(w.kind, w.data)
             w.future.set_result(None)

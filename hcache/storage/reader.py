@@ -34,8 +34,9 @@ class Request:
 
 @dataclass
 class LayerSlot:
-    out: torch.Tensor
+    shape: tuple[int, ...]
     remaining: int
+    out: torch.Tensor | None = None  # taken from the store's buffer pool when the first chunk lands
     ready: threading.Event = field(default_factory=threading.Event)
     error: ChunkError | None = None
 
@@ -61,6 +62,14 @@ def plan_requests(rows: list[ChunkRow], slot_bytes: dict[str, int], max_bytes: i
     return out
 
 
+def _extends(run: list[ChunkRow], r: ChunkRow) -> bool:
+    """Does `r` continue `run`: same layer, next slot, same index step?"""
+    last = run[-1]
+    if r.layer != last.layer or r.slot != last.slot + 1 or r.idx <= last.idx:
+        return False
+    return len(run) == 1 or r.idx - last.idx == last.idx - run[-2].idx
+
+
 def _request(d: int, slab: str, rows: list[ChunkRow]) -> Request:
     first = rows[0].slot
     return Request(d, slab, first, rows[-1].slot - first + 1, list(rows), min(r.layer for r in rows))
@@ -80,10 +89,10 @@ class OwnerReader:
         index = store.chunk_index(owner)
         rows: list[ChunkRow] = []
         for layer, kind in layers:
-            shape = store.shapes[kind]
-            width = shape.width
-            out = torch.empty((num_tokens, width) if kind == Kind.HIDDEN else (2, num_tokens, width), dtype=shape.dtype)
-            slot = self.slots[layer] = LayerSlot(out, needed)
+            width = store.shapes[kind].width
+            slot = self.slots[layer] = LayerSlot(
+                (num_tokens, width) if kind == Kind.HIDDEN else (2, num_tokens, width), needed
+            )
             have = index.get((layer, kind.value), {})
             for idx in range(needed):
                 r = have.get(idx)
@@ -121,27 +130,57 @@ class OwnerReader:
             return
         with self._lock:
             self.bytes_read += len(got)
+        shape = self.store.shapes[Kind(q.chunks[0].kind)]
+        whole = torch.frombuffer(got, dtype=torch.uint8) if len(got) else torch.empty(0, dtype=torch.uint8)
+        good: list[ChunkRow] = []
         for r in q.chunks:
             off = (r.slot - q.first) * slab.slot_bytes
-            shape = self.store.shapes[Kind(r.kind)]
-            data = got[off : off + shape.nbytes]
-            if len(data) < shape.nbytes:
+            if off + shape.nbytes > len(got):
                 self._fail(r, "slot beyond the end of its slab")
-            elif zlib.crc32(data) != r.checksum:
+            elif zlib.crc32(got[off : off + shape.nbytes]) != r.checksum:
                 self.store.count_checksum_failure()
                 self._fail(r, "checksum mismatch")
             else:
-                self._place(r, torch.frombuffer(data, dtype=shape.dtype).view(shape.shape))
+                good.append(r)
+        # chunks of one layer in consecutive slots, with evenly spaced indices (chunk c of a layer
+        # lives in directory (layer + c) mod N), are placed with one strided copy
+        run: list[ChunkRow] = []
+        for r in [*good, None]:
+            if run and (r is None or not _extends(run, r) or self._is_tail(r)):
+                self._place_run(q, slab.slot_bytes, whole, run, shape)
+                run = []
+            if r is not None:
+                run.append(r)
 
-    def _place(self, r: ChunkRow, chunk: torch.Tensor) -> None:
-        slot = self.slots[r.layer]
-        start = r.idx * CHUNK_TOKENS
-        n = min(CHUNK_TOKENS, self.n - start)
-        if Kind(r.kind) == Kind.HIDDEN:
-            slot.out[start : start + n] = chunk[:n]
+    def _is_tail(self, r: ChunkRow) -> bool:
+        return (r.idx + 1) * CHUNK_TOKENS > self.n
+
+    def _place_run(self, q: Request, slot_bytes: int, whole: torch.Tensor, run: list[ChunkRow], shape) -> None:  # noqa: ANN001
+        first, k = run[0], len(run)
+        off = (first.slot - q.first) * slot_bytes
+        raw = whole[off : off + k * slot_bytes].view(k, slot_bytes)
+        chunks = raw[:, : shape.nbytes].view(shape.dtype).view(k, *shape.shape)
+        step = run[1].idx - first.idx if k > 1 else 1
+        slot = self.slots[first.layer]
+        with self._lock:
+            if slot.out is None:
+                slot.out = self.store.take_buffer(slot.shape)
+        hidden = Kind(first.kind) == Kind.HIDDEN
+        if self._is_tail(first):  # the partial last chunk: only its valid rows
+            start, n = first.idx * CHUNK_TOKENS, self.n - first.idx * CHUNK_TOKENS
+            if hidden:
+                slot.out[start:] = chunks[0, :n]
+            else:
+                slot.out[:, start:] = chunks[0, :, :n]
         else:
-            slot.out[:, start : start + n] = chunk[:, :n]
-        self._done(slot)
+            full = self.n // CHUNK_TOKENS
+            sel = slice(first.idx, first.idx + step * (k - 1) + 1, step)
+            if hidden:
+                slot.out[: full * CHUNK_TOKENS].view(full, CHUNK_TOKENS, -1)[sel] = chunks
+            else:
+                out = slot.out[:, : full * CHUNK_TOKENS].view(2, full, CHUNK_TOKENS, -1)
+                out[:, sel] = chunks.transpose(0, 1)
+        self._done(slot, k)
 
     def _fail(self, r: ChunkRow, reason: str) -> None:
         slot = self.slots[r.layer]
@@ -149,9 +188,9 @@ class OwnerReader:
             slot.error = ChunkError(self.owner, r.layer, r.idx, reason)
         self._done(slot)
 
-    def _done(self, slot: LayerSlot) -> None:
+    def _done(self, slot: LayerSlot, count: int = 1) -> None:
         with self._lock:
-            slot.remaining -= 1
+            slot.remaining -= count
             if slot.remaining == 0:
                 slot.ready.set()
 
@@ -164,7 +203,16 @@ class OwnerReader:
         slot.ready.wait()
         if slot.error is not None:
             raise slot.error
+        if slot.out is None:  # no tokens
+            slot.out = self.store.take_buffer(slot.shape)
         return slot.out
+
+    def release(self, layer: int) -> None:
+        """The caller is done with `get(layer)`'s tensor: its memory serves the next read."""
+        slot = self.slots.get(layer)
+        if slot is not None and slot.out is not None and slot.ready.is_set():
+            self.store.give_buffer(slot.out)
+            slot.out = None
 
 
 class ReadPool:
@@ -173,7 +221,7 @@ class ReadPool:
     def __init__(self, n_dirs: int, depth: int, buf_bytes: int, make_buffer):  # noqa: ANN001
         self.queues = [queue.Queue() for _ in range(n_dirs)]
         self.buffers: queue.Queue = queue.Queue()
-        for _ in range(n_dirs * depth):
+        for _ in range(depth + n_dirs):  # bytes in flight stay bounded however many directories
             self.buffers.put(make_buffer(buf_bytes))
         self.threads = [
             threading.Thread(target=self._loop, args=(q,), name=f"hcache-reader-{d}", daemon=True)

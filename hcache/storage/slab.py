@@ -10,7 +10,9 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Generic, TypeVar
 
 log = logging.getLogger(__name__)
 _warned_direct = False
@@ -51,7 +53,24 @@ class SlabFile:
         return os.fstat(self.fd).st_size // self.slot_bytes
 
     def write(self, slot: int, buf: mmap.mmap | memoryview) -> None:
-        view = memoryview(buf)[: self.slot_bytes]
+        self.write_many(slot, 1, buf)
+
+    def write_slots(self, first_slot: int, bufs: list[memoryview]) -> None:
+        """Consecutive slots from separate aligned slot buffers, in one vectored request."""
+        try:
+            n = os.pwritev(self.fd, bufs, first_slot * self.slot_bytes)
+        except OSError as e:
+            if e.errno != errno.EINVAL or not self.direct:
+                raise
+            self._fallback(e)
+            n = os.pwritev(self.fd, bufs, first_slot * self.slot_bytes)
+        if n != len(bufs) * self.slot_bytes:
+            raise OSError(errno.EIO, f"short write to {self.path}")
+
+    def write_many(self, first_slot: int, count: int, buf: mmap.mmap | memoryview) -> None:
+        """`count` consecutive slots from the start of `buf` (aligned) in one request."""
+        slot, size = first_slot, count * self.slot_bytes
+        view = memoryview(buf)[:size]
         try:
             n = os.pwrite(self.fd, view, slot * self.slot_bytes)
         except OSError as e:
@@ -59,7 +78,7 @@ class SlabFile:
                 raise
             self._fallback(e)
             n = os.pwrite(self.fd, view, slot * self.slot_bytes)
-        if n != self.slot_bytes:
+        if n != size:
             raise OSError(errno.EIO, f"short write to {self.path}")
 
     def read(self, first_slot: int, count: int, buf: mmap.mmap) -> memoryview:
@@ -91,6 +110,36 @@ def _warn_no_direct(path: Path, e: OSError) -> None:
             "O_DIRECT unavailable for %s (%s): using buffered I/O; storage numbers include the page cache", path, e
         )
         _warned_direct = True
+
+
+T = TypeVar("T")
+
+
+class ChunkBuffers(Generic[T]):
+    """Slot-sized, page-aligned chunk buffers, recycled: the packer fills them and the
+    writer hands them to O_DIRECT as they are, with no copy into a bounce buffer.
+    `wrap(mem)` builds whatever per-buffer object the caller wants, once per buffer."""
+
+    GROW = 64
+
+    def __init__(self, slot_bytes: int, wrap: Callable[[memoryview], T]):
+        self.slot_bytes, self.wrap = slot_bytes, wrap
+        self.free: list[T] = []
+        self.lock = threading.Lock()
+        self._arenas: list[mmap.mmap] = []
+
+    def take(self) -> T:
+        with self.lock:
+            if not self.free:
+                arena = aligned_buffer(self.GROW * self.slot_bytes)
+                self._arenas.append(arena)
+                view = memoryview(arena)
+                self.free = [self.wrap(view[i * self.slot_bytes : (i + 1) * self.slot_bytes]) for i in range(self.GROW)]
+            return self.free.pop()
+
+    def give(self, buf: T) -> None:
+        with self.lock:
+            self.free.append(buf)
 
 
 class SlotAllocator:

@@ -13,6 +13,7 @@ import shutil
 import threading
 import zlib
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 
 from hcache.config import ModelConfig
 from hcache.storage.errors import ChunkError, FingerprintMismatch, StorageError, StorageFull, StoreLocked, UnknownOwner
-from hcache.storage.flusher import ChunkWrite, DirWriter, FlushTail, Forget, Packer
+from hcache.storage.flusher import ChunkBuf, ChunkWrite, DirWriter, FlushTail, Forget, Packer
 from hcache.storage.layout import (
     CHUNK_TOKENS,
     ChunkShape,
@@ -34,7 +35,7 @@ from hcache.storage.layout import (
 )
 from hcache.storage.manifest import ChunkRow, Manifest, OwnerRow
 from hcache.storage.reader import OwnerReader, ReadPool
-from hcache.storage.slab import SlabFile, SlotAllocator, aligned_buffer
+from hcache.storage.slab import ChunkBuffers, SlabFile, SlotAllocator, aligned_buffer
 from hcache.storage.staging import Segment, StagedBatch, StagingRing
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,8 @@ class StorageConfig:
     quota_bytes: int = 0  # per directory; 0 means the filesystem's free space is the limit
     staging_bytes: int = 64 << 20
     direct_io: bool = True
-    max_request_bytes: int = 8 << 20
-    read_depth: int = 4  # requests in flight per directory
+    max_request_bytes: int = 16 << 20
+    read_depth: int = 8  # requests in flight per directory (sharing read_depth + dirs buffers)
     prefetch_layers: int = 8
     fsync_group_bytes: int = 16 << 20
 
@@ -102,12 +103,14 @@ class ChunkStore:
             )
         self.manifest.set_meta("dirs", listed)
         self.shapes: dict[Kind, ChunkShape] = chunk_shapes(model, dtype)
+        self.chunk_buffers = {k: ChunkBuffers(s.slot_bytes, self._chunk_view(s)) for k, s in self.shapes.items()}
         self.lock = threading.RLock()
         self.slabs: dict[tuple[int, str], SlabFile] = {}
         self.allocs: dict[tuple[int, str], SlotAllocator] = {}
         self.index: dict[str, dict[tuple[int, str], dict[int, ChunkRow]]] = {}
         self.seqs: dict[tuple[str, int, int, str], int] = {}
         self.errors: dict[str, Exception] = {}
+        self._buffers: dict[tuple[int, ...], list[torch.Tensor]] = {}
         self.stats = StoreStats()
         self._recover()
         self.ring = StagingRing(cfg.staging_bytes, model.hidden_size, model.kv_dim, dtype, torch.device(device))
@@ -275,8 +278,33 @@ class ChunkStore:
         done.result()
 
     # --- called by the packer and writers ---------------------------------------
-    def new_chunk(self, kind: Kind) -> torch.Tensor:
-        return torch.zeros(self.shapes[kind].shape, dtype=self.dtype)
+    def new_chunk(self, kind: Kind) -> ChunkBuf:
+        # rows past a tail's count are never read back; they need no zeroing
+        return self.chunk_buffers[kind].take()
+
+    def free_chunk(self, kind: Kind, buf: ChunkBuf) -> None:
+        self.chunk_buffers[kind].give(buf)
+
+    def _chunk_view(self, shape: ChunkShape) -> Callable[[memoryview], ChunkBuf]:
+        def wrap(mem: memoryview) -> ChunkBuf:
+            t = torch.frombuffer(mem, dtype=torch.uint8)[: shape.nbytes].view(self.dtype).view(shape.shape)
+            return ChunkBuf(mem, t)
+
+        return wrap
+
+    def take_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A layer-sized read buffer, reused across restores: fresh memory costs page faults."""
+        with self.lock:
+            free = self._buffers.get(shape)
+            if free:
+                return free.pop()
+        return torch.empty(shape, dtype=self.dtype)
+
+    def give_buffer(self, t: torch.Tensor) -> None:
+        with self.lock:
+            free = self._buffers.setdefault(tuple(t.shape), [])
+            if len(free) < self.cfg.prefetch_layers + 2:
+                free.append(t)
 
     def dispatch(self, w: ChunkWrite) -> None:
         """Place a chunk: its home directory, or the next one with room; then queue its write."""
@@ -403,9 +431,9 @@ class ChunkStore:
                 w.join()
             self.reads.close()
             self.ring.close()
-        for s in self.slabs.values():
+        for s in getattr(self, "slabs", {}).values():
             s.close()
-        self.slabs.clear()
+        self.slabs = {}
         self.manifest.close()
         os.close(self._lock_fd)
 

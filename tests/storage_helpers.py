@@ -1,0 +1,60 @@
+"""Synthetic rows whose values encode (layer, position, feature), so any misplaced,
+stale or corrupt row is visible when read back."""
+
+from __future__ import annotations
+
+import torch
+
+from hcache.config import ModelConfig
+from hcache.storage.layout import Kind
+from hcache.storage.store import ChunkStore
+
+GEOM = ModelConfig(
+    arch="llama",
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=5,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position=4096,
+)
+KINDS = [None, Kind.HIDDEN, Kind.KV, Kind.HIDDEN, Kind.KV]
+
+
+def h_rows(layer: int, start: int, n: int, salt: float = 0.0) -> torch.Tensor:
+    pos = torch.arange(start, start + n, dtype=torch.float32)[:, None]
+    return layer * 10000 + pos + torch.arange(GEOM.hidden_size) * 1e-3 + salt
+
+
+def kv_rows(layer: int, start: int, n: int, salt: float = 0.0) -> torch.Tensor:
+    pos = torch.arange(start, start + n, dtype=torch.float32)[:, None, None]
+    base = layer * 10000 + pos + torch.arange(GEOM.kv_dim) * 1e-3 + salt
+    return torch.cat([base, -base], dim=1)  # [n, 2, kv_dim]: K then V
+
+
+def save(store: ChunkStore, owner: str, start: int, n: int, kinds=KINDS, salt: float = 0.0) -> None:
+    store.save_rows(
+        owner,
+        start,
+        {i: h_rows(i, start, n, salt) for i, k in enumerate(kinds) if k == Kind.HIDDEN},
+        {i: kv_rows(i, start, n, salt) for i, k in enumerate(kinds) if k == Kind.KV},
+    )
+
+
+def expected(layer: int, kind: Kind, n: int, salt_from: int | None = None, salt: float = 0.0) -> torch.Tensor:
+    """What a layer reads back as: H `[n, hidden]`, KV `[2, n, kv_dim]`; rows from `salt_from` on carry `salt`."""
+    rows = h_rows(layer, 0, n) if kind == Kind.HIDDEN else kv_rows(layer, 0, n)
+    if salt_from is not None:
+        rows[salt_from:] += salt if kind == Kind.HIDDEN else torch.tensor([salt, -salt])[:, None]
+    return rows if kind == Kind.HIDDEN else rows.transpose(0, 1)
+
+
+def check_all(store: ChunkStore, owner: str, n: int, kinds=KINDS, **kw) -> None:
+    r = store.reader(owner, [i for i, k in enumerate(kinds) if k is not None])
+    for i, k in enumerate(kinds):
+        if k is not None:
+            got = r.get(i)
+            assert got.shape[-2 if k == Kind.KV else 0] == n
+            assert torch.equal(got, expected(i, k, n, **kw)), f"layer {i} differs"

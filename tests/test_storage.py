@@ -1,0 +1,245 @@
+"""Chunk store: placement, two-stage saving, copy-on-write tails, restarts, quotas,
+checksums and fsck, on a small geometry with self-describing rows."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from storage_helpers import GEOM, KINDS, check_all, save
+
+from hcache.storage.errors import ChunkError, StorageError, StorageFull, StoreLocked, UnknownOwner
+from hcache.storage.fsck import fsck
+from hcache.storage.layout import CHUNK_TOKENS, Kind, home_dir
+from hcache.storage.store import ChunkStore, StorageConfig
+
+
+def open_store(dirs, **kw) -> ChunkStore:
+    return ChunkStore(StorageConfig([str(d) for d in dirs], **kw), GEOM, torch.float32)
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    out = [tmp_path / f"d{i}" for i in range(3)]
+    for d in out:
+        d.mkdir()
+    return out
+
+
+def chat_turns(store: ChunkStore, owner: str, turns=((70, 5), (30, 40))) -> int:
+    """Prompts prefilled at once, replies one token at a time, durable at the end of each turn."""
+    n = 0
+    for prompt, reply in turns:
+        save(store, owner, n, prompt)
+        n += prompt
+        for _ in range(reply):
+            save(store, owner, n, 1)
+            n += 1
+        store.mark_durable(owner, list(range(n)))
+    return n
+
+
+@pytest.mark.parametrize("n_dirs", [1, 3])
+def test_roundtrip_and_placement(dirs, n_dirs: int) -> None:
+    with open_store(dirs[:n_dirs]) as st:
+        st.create_owner("s", KINDS, "fp")
+        n = chat_turns(st, "s")
+        check_all(st, "s", n)
+        rows = st.manifest.chunks("s")
+        assert {(r.layer, r.kind) for r in rows} == {(i, k.value) for i, k in enumerate(KINDS) if k}
+        assert all(r.dir == home_dir(r.layer, r.idx, n_dirs) for r in rows)
+        assert st.owner_row("s").tokens == list(range(n))
+        if n_dirs > 1:
+            assert all(u.chunks > 0 for u in st.usage())
+
+
+def test_tail_is_replaced_copy_on_write(dirs) -> None:
+    with open_store(dirs[:1]) as st:
+        st.create_owner("s", KINDS, "fp")
+        save(st, "s", 0, 70)
+        st.mark_durable("s", list(range(70)))
+        tail = {(r.layer, r.kind): r for r in st.manifest.chunks("s") if r.idx == 1}
+        assert {r.ntokens for r in tail.values()} == {70 - CHUNK_TOKENS}
+        save(st, "s", 70, 10)
+        st.mark_durable("s", list(range(80)))
+        new = {(r.layer, r.kind): r for r in st.manifest.chunks("s") if r.idx == 1}
+        for key, old in tail.items():
+            assert new[key].ntokens == 16 and new[key].slot != old.slot  # a fresh slot, never overwritten in place
+        check_all(st, "s", 80)
+
+
+def test_restart_keeps_durable_turns_and_continues(dirs) -> None:
+    with open_store(dirs) as st:
+        st.create_owner("s", KINDS, "fp")
+        n = chat_turns(st, "s")
+        save(st, "s", n, 50)  # staged but never made durable: lost by design, no harm done
+    with open_store(dirs) as st:
+        assert st.owner_row("s").num_tokens == n
+        check_all(st, "s", n)
+        save(st, "s", n, 100)  # continues from the durable tail, read back from disk
+        st.mark_durable("s", list(range(n + 100)))
+        check_all(st, "s", n + 100)
+    assert fsck([str(d) for d in dirs]).clean
+
+
+def test_truncate_rewrites_history(dirs) -> None:
+    with open_store(dirs) as st:
+        st.create_owner("s", KINDS, "fp")
+        save(st, "s", 0, 150)
+        st.mark_durable("s", list(range(150)))
+        st.truncate("s", 100)
+        save(st, "s", 100, 30, salt=0.5)
+        st.mark_durable("s", list(range(130)))
+        check_all(st, "s", 130, salt_from=100, salt=0.5)
+    with open_store(dirs) as st:
+        check_all(st, "s", 130, salt_from=100, salt=0.5)
+
+
+def test_staged_rows_must_follow_on(dirs) -> None:
+    with open_store(dirs[:1]) as st:
+        st.create_owner("s", KINDS, "fp")
+        save(st, "s", 0, 10)
+        save(st, "s", 20, 5)  # a gap
+        with pytest.raises(StorageError, match="expected 10"):
+            st.mark_durable("s", list(range(15)))
+
+
+def test_full_ring_blocks_producer_and_loses_nothing(dirs) -> None:
+    one_batch = 64 * (2 * GEOM.hidden_size + 2 * 2 * GEOM.kv_dim) * 4
+    with open_store(dirs, staging_bytes=one_batch + 4096) as st:
+        st.create_owner("s", KINDS, "fp")
+        for i in range(40):
+            save(st, "s", i * 64, 64)
+        st.mark_durable("s", list(range(40 * 64)))
+        assert st.stats.ring_waits > 0
+        check_all(st, "s", 40 * 64)
+
+
+def test_delete_frees_everything(dirs) -> None:
+    with open_store(dirs) as st:
+        st.create_owner("a", KINDS, "fp")
+        st.create_owner("b", KINDS, "fp")
+        chat_turns(st, "a")
+        nb = chat_turns(st, "b")
+        st.delete("a")
+        with pytest.raises(UnknownOwner):
+            st.reader("a")
+        check_all(st, "b", nb)
+        used_b = sum(u.used_bytes for u in st.usage())
+        st.delete("b")
+        assert sum(u.used_bytes for u in st.usage()) == 0 < used_b
+        assert st.owners() == []
+
+
+def test_missing_directory_is_named(dirs) -> None:
+    with pytest.raises(FileNotFoundError, match=r"storage directory missing: .*nope"):
+        open_store([dirs[0], dirs[0].parent / "nope"])
+
+
+def test_directory_list_must_not_change(dirs) -> None:
+    open_store(dirs[:2]).close()
+    with pytest.raises(StorageError, match="differ"):
+        open_store([dirs[0], dirs[2]])
+
+
+def test_second_process_is_refused(dirs) -> None:
+    with open_store(dirs), pytest.raises(StoreLocked, match="in use"):
+        open_store(dirs)
+
+
+def test_quota_skips_full_directory_then_says_full(dirs) -> None:
+    slot_h = GEOM.hidden_size * CHUNK_TOKENS * 4
+    with open_store(dirs[:2], quota_bytes=12 * slot_h) as st:
+        st.create_owner("s", KINDS, "fp")
+        save(st, "s", 0, 64 * 3)
+        st.mark_durable("s", list(range(64 * 3)))
+        check_all(st, "s", 64 * 3)
+        rows = st.manifest.chunks("s")
+        assert any(r.dir != home_dir(r.layer, r.idx, 2) for r in rows)  # placement moved off a full one
+        assert all(u.slab_bytes <= 12 * slot_h for u in st.usage())
+        save(st, "s", 64 * 3, 64 * 20)
+        with pytest.raises(StorageFull, match="full"):
+            st.mark_durable("s", list(range(64 * 23)))
+        assert st.owner_row("s").num_tokens == 64 * 3  # the durable turn is intact
+        check_all(st, "s", 64 * 3)
+
+
+def _corrupt_one_chunk(st: ChunkStore, layer: int, idx: int = 0):
+    row = next(r for r in st.manifest.chunks("s") if r.layer == layer and r.idx == idx)
+    path = st.dirs[row.dir] / f"{row.slab}.slab"
+    with open(path, "r+b") as f:
+        f.seek(row.slot * st.slab(row.dir, row.slab).slot_bytes + 100)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return row
+
+
+def test_flipped_bytes_detected_on_read_and_by_fsck(dirs) -> None:
+    with open_store(dirs) as st:
+        st.create_owner("s", KINDS, "fp")
+        n = chat_turns(st, "s")
+        _corrupt_one_chunk(st, layer=2)
+        r = st.reader("s", [1, 2, 3])
+        with pytest.raises(ChunkError, match="layer 2 chunk 0: checksum mismatch") as e:
+            r.get(2)
+        assert (e.value.layer, e.value.index) == (2, 0)
+        r.get(1), r.get(3)  # other layers unharmed
+        assert st.stats.checksum_failures == 1
+        with pytest.raises(ChunkError):
+            st.read_chunk("s", 2, 0, Kind.KV)
+    report = fsck([str(d) for d in dirs])
+    assert not report.clean and [(r.layer, r.idx) for r, _ in report.bad_chunks] == [(2, 0)]
+    repaired = fsck([str(d) for d in dirs], repair=True)
+    assert any("removed 1" in a for a in repaired.actions)
+    after = fsck([str(d) for d in dirs])
+    assert [g for g in after.gaps] == ["owner s layer 2 chunk 0 missing (recompute covers it)"]
+    with open_store(dirs) as st:
+        with pytest.raises(ChunkError, match="missing"):
+            st.reader("s", [2]).get(2)
+        check_all(st, "s", n, kinds=[None, Kind.HIDDEN, None, Kind.HIDDEN, Kind.KV])
+
+
+def test_fsck_drops_unrecoverable_owner_only_after_saying_so(dirs) -> None:
+    with open_store(dirs) as st:
+        st.create_owner("s", KINDS, "fp")
+        chat_turns(st, "s")
+        st.manifest.db.execute("UPDATE owners SET num_tokens = num_tokens + 7")  # tokens no longer match
+    report = fsck([str(d) for d in dirs])
+    assert [o for o, _ in report.bad_owners] == ["s"] and "unrecoverable owner s" in "\n".join(report.lines())
+    with open_store(dirs) as st:
+        assert [o.owner for o in st.owners()] == ["s"]  # not repaired: nothing dropped
+    fsck([str(d) for d in dirs], repair=True)
+    with open_store(dirs) as st:
+        assert st.owners() == []
+
+
+def test_fsck_refuses_a_running_store(dirs) -> None:
+    with open_store(dirs), pytest.raises(StoreLocked):
+        fsck([str(d) for d in dirs])
+
+
+def test_buffered_fallback_where_odirect_is_refused(dirs, monkeypatch, caplog) -> None:
+    """A filesystem that refuses O_DIRECT (EINVAL at open) gets buffered I/O and one warning."""
+    import errno
+    import os
+
+    from hcache.storage import slab
+
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(slab.os, "open", no_direct)
+    monkeypatch.setattr(slab, "_warned_direct", False)
+    with caplog.at_level(logging.WARNING), open_store(dirs) as st:
+        st.create_owner("s", KINDS, "fp")
+        n = chat_turns(st, "s")
+        check_all(st, "s", n)
+        assert st.slabs and not any(s.direct for s in st.slabs.values())
+    warnings = [r for r in caplog.records if "O_DIRECT unavailable" in r.getMessage()]
+    assert len(warnings) == 1
