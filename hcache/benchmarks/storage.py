@@ -120,7 +120,7 @@ def write_owner(dirs: list[Path], cfg: ModelConfig, dtype: torch.dtype, tokens: 
 def read_owner(store: ChunkStore) -> tuple[float, int]:
     """Restore-shaped read: every chunk of every layer, in layer order. Returns (seconds, bytes)."""
     t0 = time.perf_counter()
-    r = store.reader("bench", window=store.model.num_layers)
+    r = store.reader("bench")  # the restorer's prefetch window
     for layer in range(store.model.num_layers):
         r.get(layer)
         r.release(layer)

@@ -10,7 +10,6 @@ import logging
 import queue
 import threading
 import time
-import zlib
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hcache.storage.errors import StorageError
-from hcache.storage.layout import CHUNK_TOKENS, Kind
+from hcache.storage.layout import CHUNK_TOKENS, Kind, checksum
 from hcache.storage.manifest import ChunkRow
 from hcache.storage.staging import StagedBatch
 
@@ -225,7 +224,7 @@ class DirWriter(threading.Thread):
                     run = []
                 if w is not None:
                     run.append(w)
-                    crc = zlib.crc32(w.data.mem[: self.store.shapes[w.kind].nbytes])
+                    crc = checksum(w.data.mem[: self.store.shapes[w.kind].nbytes])
                     rows.append(ChunkRow(w.owner, w.layer, w.idx, w.kind.value, w.dir, w.slab, w.slot, w.ntokens, crc))
             for slab in slabs:
                 slab.sync()

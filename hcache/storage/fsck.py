@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import fcntl
 import os
-import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hcache.storage.errors import StoreLocked
-from hcache.storage.layout import CHUNK_TOKENS, decode_layer_kinds, num_chunks, parse_slab
+from hcache.storage.layout import CHUNK_TOKENS, checksum, decode_layer_kinds, num_chunks, parse_slab
 from hcache.storage.manifest import ChunkRow, Manifest
 from hcache.storage.slab import SlabFile, aligned_buffer
 from hcache.storage.store import LOCK, MANIFEST
@@ -136,7 +135,7 @@ def _check_slab(paths: list[Path], key: tuple[int, str], rows: list[ChunkRow], r
             got = slab.read(first, count, buf)
             for s in range(first, first + count):
                 r = want.get(s)
-                if r is not None and zlib.crc32(got[(s - first) * slot_bytes :][:nbytes]) != r.checksum:
+                if r is not None and checksum(got[(s - first) * slot_bytes :][:nbytes]) != r.checksum:
                     rep.bad_chunks.append((r, "checksum mismatch"))
         rep.bad_chunks += [(r, f"slot {r.slot} past the end of {path}") for r in rows if r.slot >= n_slots]
         orphans = n_slots - len([s for s in want if s < n_slots])

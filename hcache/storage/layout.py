@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
+import xxhash
 
 from hcache.config import ModelConfig
 
@@ -87,3 +88,9 @@ def home_dir(layer: int, chunk: int, n_dirs: int) -> int:
 
 def num_chunks(n_tokens: int) -> int:
     return (n_tokens + CHUNK_TOKENS - 1) // CHUNK_TOKENS
+
+
+def checksum(data: memoryview | bytes) -> int:
+    """xxh3-64 of a chunk's bytes (about 5x faster than crc32 here), as SQLite's signed 64-bit integer."""
+    v = xxhash.xxh3_64_intdigest(data)
+    return v - (1 << 64) if v >= 1 << 63 else v

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hcache.storage.errors import ChunkError
-from hcache.storage.layout import CHUNK_TOKENS, Kind, num_chunks
+from hcache.storage.layout import CHUNK_TOKENS, Kind, checksum, num_chunks
 from hcache.storage.manifest import ChunkRow
 
 if TYPE_CHECKING:
@@ -137,7 +136,7 @@ class OwnerReader:
             off = (r.slot - q.first) * slab.slot_bytes
             if off + shape.nbytes > len(got):
                 self._fail(r, "slot beyond the end of its slab")
-            elif zlib.crc32(got[off : off + shape.nbytes]) != r.checksum:
+            elif checksum(got[off : off + shape.nbytes]) != r.checksum:
                 self.store.count_checksum_failure()
                 self._fail(r, "checksum mismatch")
             else:

@@ -11,7 +11,6 @@ import logging
 import os
 import shutil
 import threading
-import zlib
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -27,6 +26,7 @@ from hcache.storage.layout import (
     CHUNK_TOKENS,
     ChunkShape,
     Kind,
+    checksum,
     chunk_shapes,
     decode_layer_kinds,
     encode_layer_kinds,
@@ -51,7 +51,7 @@ class StorageConfig:
     direct_io: bool = True
     max_request_bytes: int = 16 << 20
     read_depth: int = 8  # requests in flight per directory (sharing read_depth + dirs buffers)
-    prefetch_layers: int = 8
+    prefetch_layers: int = 12
     fsync_group_bytes: int = 16 << 20
 
 
@@ -383,7 +383,7 @@ class ChunkStore:
             raise ChunkError(owner, layer, idx, "missing")
         shape = self.shapes[kind]
         got = self.slab(row.dir, row.slab).read(row.slot, 1, aligned_buffer(shape.slot_bytes))
-        if len(got) < shape.nbytes or zlib.crc32(got[: shape.nbytes]) != row.checksum:
+        if len(got) < shape.nbytes or checksum(got[: shape.nbytes]) != row.checksum:
             self.count_checksum_failure()
             raise ChunkError(owner, layer, idx, "checksum mismatch")
         return torch.frombuffer(bytearray(got[: shape.nbytes]), dtype=self.dtype).view(shape.shape)
