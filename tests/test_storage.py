@@ -129,6 +129,7 @@ def test_delete_frees_everything(dirs) -> None:
         used_b = sum(u.used_bytes for u in st.usage())
         st.delete("b")
         assert sum(u.used_bytes for u in st.usage()) == 0 < used_b
+        assert sum(u.slab_bytes for u in st.usage()) == 0  # slab files shrink back
         assert st.owners() == []
 
 

@@ -217,6 +217,13 @@ class SlotAllocator:
             self.used.discard(slot)
             bisect.insort(self.free, slot)
 
+    def trim(self) -> int:
+        """Lower the high-water mark past trailing free slots; returns the new slot count."""
+        while self.free and self.free[-1] == self.high - 1:
+            self.free.pop()
+            self.high -= 1
+        return self.high
+
     def drop_reservations(self, owner: str) -> None:
         for key in [k for k in self.reserved if k[0] == owner]:
             for s in self.reserved.pop(key):

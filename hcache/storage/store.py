@@ -14,7 +14,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,8 +49,8 @@ class StorageConfig:
     quota_bytes: int = 0  # per directory; 0 means the filesystem's free space is the limit
     staging_bytes: int = 64 << 20
     direct_io: bool = True
-    max_request_bytes: int = 16 << 20
-    read_depth: int = 8  # requests in flight per directory (sharing read_depth + dirs buffers)
+    max_request_bytes: int = 8 << 20
+    read_depth: int = 16  # requests in flight per directory (sharing read_depth + dirs buffers)
     prefetch_layers: int = 12
     fsync_group_bytes: int = 16 << 20
 
@@ -74,7 +74,6 @@ class StoreStats:
     recovered_orphan_slots: int = 0
     dropped_stale_chunks: int = 0
     bytes_read: int = 0
-    per_dir: list[DirUsage] = field(default_factory=list)
 
 
 class ChunkStore:
@@ -263,8 +262,11 @@ class ChunkStore:
             self.index.pop(owner, None)
             for r in rows:
                 self.release_slot(r.dir, r.slab, r.slot)
-            for alloc in self.allocs.values():
+            for key, alloc in self.allocs.items():
                 alloc.drop_reservations(owner)
+                high = alloc.trim()
+                if high < self.slab(*key).num_slots:
+                    self.slab(*key).truncate(high)  # give trailing space back to the filesystem
 
     def _forget(self, owner: str) -> None:
         """Wait for the owner's queued writes, then drop its packing state."""
@@ -391,6 +393,10 @@ class ChunkStore:
     def submit_read(self, d: int, fn, req) -> None:  # noqa: ANN001
         self.reads.submit(d, fn, req)
 
+    def count_read(self, nbytes: int) -> None:
+        with self.lock:
+            self.stats.bytes_read += nbytes
+
     def count_checksum_failure(self) -> None:
         with self.lock:
             self.stats.checksum_failures += 1
@@ -407,17 +413,9 @@ class ChunkStore:
                         used += a.num_used * slot
                         slab_bytes += a.high * slot
                         chunks += a.num_used
-                out.append(
-                    DirUsage(
-                        str(path),
-                        used,
-                        slab_bytes,
-                        self.cfg.quota_bytes,
-                        shutil.disk_usage(path).free,
-                        chunks,
-                        self.writers[d].bytes_written if hasattr(self, "writers") else 0,
-                    )
-                )
+                free = shutil.disk_usage(path).free
+                written = self.writers[d].bytes_written
+                out.append(DirUsage(str(path), used, slab_bytes, self.cfg.quota_bytes, free, chunks, written))
         return out
 
     def close(self) -> None:
