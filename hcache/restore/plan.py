@@ -57,9 +57,12 @@ class Plan:
 
     def bytes_to_read(self, cfg: ModelConfig, n_tokens: int, elem_bytes: int) -> int:
         """What a store must read to run this plan: H rows, K and V rows, and token ids for recompute."""
+        return self.bytes_to_read_geom(cfg.hidden_size, cfg.kv_dim, n_tokens, elem_bytes)
+
+    def bytes_to_read_geom(self, hidden: int, kv_dim: int, n_tokens: int, elem_bytes: int) -> int:
         per_layer = {
-            Method.HIDDEN: n_tokens * cfg.hidden_size * elem_bytes,
-            Method.KV: n_tokens * 2 * cfg.kv_dim * elem_bytes,
+            Method.HIDDEN: n_tokens * hidden * elem_bytes,
+            Method.KV: n_tokens * 2 * kv_dim * elem_bytes,
             Method.RECOMPUTE: 0,
         }
         total = sum(per_layer[m] for m in self.methods)

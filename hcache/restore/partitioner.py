@@ -1,0 +1,115 @@
+"""Choose, per layer, how to restore: recompute (a prefix), hidden states or KV.
+
+A pure function of (geometry, profile, tokens). The cost model is the restorer's
+pipeline: one storage stream reads the H/KV layers in order while one compute
+stream first recomputes the RE prefix, then handles each layer once its bytes
+are in. For fixed counts the best order is Johnson's rule for a two-machine flow
+shop, so searching every (n_RE, n_H, n_KV) split (L^2 cases) finds the optimum;
+the tests check that against brute force over every per-layer assignment."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hcache.restore.plan import Method, Plan
+from hcache.restore.profile import Geometry, Profile
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    io_ms: float
+    compute_ms: float
+
+
+@dataclass
+class PlannedRestore:
+    plan: Plan
+    tokens: int
+    io_ms: float  # total storage time
+    compute_ms: float  # total compute time (RE prefix included)
+    makespan_ms: float  # predicted restore time with both streams overlapped
+    bytes: int
+
+    def to_json(self) -> dict:
+        return {
+            "counts": self.plan.counts(),
+            "layers": [m.value for m in self.plan.methods],
+            "plan": str(self.plan),
+            "tokens": self.tokens,
+            "predicted_ms": self.makespan_ms,
+            "io_ms": self.io_ms,
+            "compute_ms": self.compute_ms,
+            "bytes": self.bytes,
+        }
+
+
+def layer_costs(geom: Geometry, prof: Profile, n: int, cap_gbps: float | None = None) -> dict[Method, LayerCost]:
+    gbps = min(prof.read_gbps, cap_gbps) if cap_gbps else prof.read_gbps
+    if gbps <= 0:
+        raise ValueError("read bandwidth must be positive")
+
+    def io(nbytes: int) -> float:
+        return prof.read_latency_ms + nbytes / (gbps * 1e9) * 1e3
+
+    return {
+        Method.RECOMPUTE: LayerCost(0.0, prof.re_ms(n)),
+        Method.HIDDEN: LayerCost(io(geom.h_bytes(n)), prof.h_ms_per_ktok * n / 1000),
+        Method.KV: LayerCost(io(geom.kv_bytes(n)), prof.kv_ms_per_ktok * n / 1000),
+    }
+
+
+def simulate(methods: list[Method] | tuple[Method, ...], costs: dict[Method, LayerCost]) -> tuple[float, float, float]:
+    """(io_ms, compute_ms, makespan_ms) of executing layers in index order on the two streams."""
+    io_done = compute_done = 0.0
+    io_total = compute_total = 0.0
+    for m in methods:
+        c = costs[m]
+        if m == Method.RECOMPUTE:  # needs only token ids: starts as soon as compute is free
+            compute_done += c.compute_ms
+        else:
+            io_done += c.io_ms
+            compute_done = max(compute_done, io_done) + c.compute_ms
+        io_total += c.io_ms
+        compute_total += c.compute_ms
+    return io_total, compute_total, max(compute_done, io_done)
+
+
+def johnson_order(n_h: int, n_kv: int, costs: dict[Method, LayerCost]) -> list[Method]:
+    """Jobs whose read is shorter than their compute first (shortest read first), then the
+    rest (longest compute first): optimal for two stages in series."""
+    jobs = [Method.HIDDEN] * n_h + [Method.KV] * n_kv
+    front = sorted((j for j in jobs if costs[j].io_ms < costs[j].compute_ms), key=lambda j: costs[j].io_ms)
+    back = sorted((j for j in jobs if costs[j].io_ms >= costs[j].compute_ms), key=lambda j: -costs[j].compute_ms)
+    return front + back
+
+
+def partition(
+    geom: Geometry,
+    prof: Profile,
+    n_tokens: int,
+    cap_gbps: float | None = None,
+    methods: tuple[Method, ...] = (Method.RECOMPUTE, Method.HIDDEN, Method.KV),
+) -> PlannedRestore:
+    """The fastest plan using only `methods` (e.g. only what a session stored)."""
+    if n_tokens < 1:
+        raise ValueError("nothing to restore")
+    L = geom.num_layers
+    costs = layer_costs(geom, prof, n_tokens, cap_gbps)
+    best: tuple[tuple[float, int], tuple[Method, ...], tuple[float, float, float]] | None = None
+    re_range = range(L + 1) if Method.RECOMPUTE in methods else range(1)
+    for n_re in re_range:
+        for n_h in range(L - n_re + 1) if Method.HIDDEN in methods else range(1):
+            n_kv = L - n_re - n_h
+            if n_kv and Method.KV not in methods:
+                continue
+            order = (Method.RECOMPUTE,) * n_re + tuple(johnson_order(n_h, n_kv, costs))
+            sim = simulate(order, costs)
+            key = (sim[2], n_h * geom.hidden + n_kv * 2 * geom.kv_dim)  # ties: fewer bytes to read
+            if best is None or key < best[0]:
+                best = (key, order, sim)
+    if best is None:
+        raise ValueError(f"no plan can be made from {methods}")
+    plan = Plan(best[1])
+    io_ms, compute_ms, makespan = best[2]
+    nbytes = plan.bytes_to_read_geom(geom.hidden, geom.kv_dim, n_tokens, geom.elem_bytes)
+    return PlannedRestore(plan, n_tokens, io_ms, compute_ms, makespan, nbytes)

@@ -1,0 +1,112 @@
+"""The partitioner against brute force over a simulated pipeline, against the paper's
+closed forms on multi-head two-method cases, and on the cases it must get right."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from hcache.restore.partitioner import layer_costs, partition, simulate
+from hcache.restore.plan import Method
+from hcache.restore.profile import Geometry, Profile
+
+MHA_7B = Geometry(num_layers=32, hidden=4096, kv_dim=4096, q_dim=4096, ffn=11008, elem_bytes=2)
+SMOL = Geometry(num_layers=30, hidden=576, kv_dim=192, q_dim=576, ffn=1536, elem_bytes=2)
+
+
+def brute_force(geom: Geometry, prof: Profile, n: int) -> float:
+    costs = layer_costs(geom, prof, n)
+    best = math.inf
+    L = geom.num_layers
+    for n_re in range(L + 1):
+        for rest in itertools.product((Method.HIDDEN, Method.KV), repeat=L - n_re):
+            best = min(best, simulate((Method.RECOMPUTE,) * n_re + rest, costs)[2])
+    return best
+
+
+def random_profile(rng: random.Random) -> Profile:
+    return Profile(
+        "random",
+        read_gbps=rng.uniform(0.1, 20),
+        read_latency_ms=rng.uniform(0, 2),
+        h_ms_per_ktok=rng.uniform(0.01, 20),
+        kv_ms_per_ktok=rng.uniform(0.001, 2),
+        re_points={256: rng.uniform(0.1, 10), 4096: rng.uniform(10, 400)},
+    )
+
+
+def test_matches_brute_force_over_every_assignment() -> None:
+    rng = random.Random(0)
+    for _ in range(40):
+        geom = Geometry(6, rng.choice([64, 256]), rng.choice([16, 64, 256]), 64, 256, 2)
+        prof = random_profile(rng)
+        n = rng.choice([1, 64, 1000, 8000])
+        got = partition(geom, prof, n)
+        assert got.makespan_ms == pytest.approx(brute_force(geom, prof, n), rel=1e-9)
+        assert got.makespan_ms == pytest.approx(simulate(got.plan.methods, layer_costs(geom, prof, n))[2])
+
+
+def _two_method_profile(io_h: float, io_kv: float, c_h: float, c_tok: float) -> Profile:
+    """Per-layer times for 1000 tokens, as the paper's symbols (ms)."""
+    gbps = MHA_7B.h_bytes(1000) / (io_h * 1e-3) / 1e9
+    assert MHA_7B.kv_bytes(1000) / (gbps * 1e9) * 1e3 == pytest.approx(io_kv)
+    return Profile("paper", gbps, 0.0, c_h, 0.0, {1000: c_tok, 2000: 2 * c_tok})
+
+
+@pytest.mark.parametrize("c_h", [12.0, 20.0, 35.0])
+def test_paper_closed_form_h_with_kv(c_h: float) -> None:
+    """C_H > IO_H: L_H = ceil(N * IO_KV / (IO_KV + C_H - IO_H)), the rest KV."""
+    io_h, io_kv = 8.0, 16.0  # MHA: KV is twice H
+    prof = _two_method_profile(io_h, io_kv, c_h, c_tok=1e6)  # recompute out of the question
+    got = partition(MHA_7B, prof, 1000, methods=(Method.HIDDEN, Method.KV))
+    closed = math.ceil(MHA_7B.num_layers * io_kv / (io_kv + c_h - io_h))
+    assert abs(got.plan.counts()["hidden"] - closed) <= 1
+    assert got.plan.counts()["hidden"] + got.plan.counts()["kv"] == 32
+
+
+@pytest.mark.parametrize("c_tok", [40.0, 80.0, 150.0])
+def test_paper_closed_form_h_with_recompute(c_tok: float) -> None:
+    """C_H <= IO_H: L_H = ceil(N * C_tok / (C_tok + IO_H - C_H)), the rest recomputed."""
+    io_h, c_h = 30.0, 5.0
+    prof = _two_method_profile(io_h, 2 * io_h, c_h, c_tok)
+    got = partition(MHA_7B, prof, 1000, methods=(Method.RECOMPUTE, Method.HIDDEN))
+    closed = math.ceil(MHA_7B.num_layers * c_tok / (c_tok + io_h - c_h))
+    assert abs(got.plan.counts()["hidden"] - closed) <= 1
+
+
+def test_three_way_mix_found_where_it_wins() -> None:
+    prof = Profile.hypothetical(MHA_7B, tflops=312, io_gbps=8)
+    got = partition(MHA_7B, prof, 4096)
+    assert all(got.plan.counts()[m] > 0 for m in ("recompute", "hidden", "kv"))
+    for only in Method:  # faster than any single method
+        single = partition(MHA_7B, prof, 4096, methods=(only,))
+        assert got.makespan_ms <= single.makespan_ms
+
+
+def test_grouped_query_hidden_states_are_dominated() -> None:
+    """SmolLM2: H (576 wide) is larger than K+V (384) and costs compute: never chosen."""
+    for tflops, gbps in [(0.2, 1.0), (10, 0.5), (312, 8)]:
+        for n in (64, 1024, 16384):
+            assert partition(SMOL, Profile.hypothetical(SMOL, tflops, gbps), n).plan.counts()["hidden"] == 0
+
+
+def test_tiny_context_prefers_recompute() -> None:
+    prof = Profile.hypothetical(MHA_7B, tflops=312, io_gbps=8, latency_ms=1.0)  # a read costs more than 32 layers
+    assert partition(MHA_7B, prof, 8).plan.counts()["recompute"] == 32
+
+
+def test_bandwidth_cap_moves_work_to_compute() -> None:
+    prof = Profile.hypothetical(MHA_7B, tflops=312, io_gbps=24)
+    fast = partition(MHA_7B, prof, 4096)
+    capped = partition(MHA_7B, prof, 4096, cap_gbps=2)
+    assert capped.makespan_ms > fast.makespan_ms
+    assert capped.bytes < fast.bytes
+    assert capped.plan.counts()["recompute"] > fast.plan.counts()["recompute"]
+
+
+def test_recompute_fit_is_quadratic_in_context() -> None:
+    prof = Profile("p", 1, 0, 1, 1, {1000: 10.0, 2000: 24.0, 4000: 64.0})  # 0.008n + 2e-6 n^2
+    assert prof.re_ms(8000) == pytest.approx(0.008 * 8000 + 2e-6 * 8000**2, rel=1e-6)
