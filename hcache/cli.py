@@ -27,6 +27,21 @@ def parser() -> argparse.ArgumentParser:
     fsck = sub.add_parser("fsck", help="verify a store's chunks and manifest; --repair fixes what it can")
     fsck.add_argument("--dirs", nargs="+", required=True, help="the store's directories, in their original order")
     fsck.add_argument("--repair", action="store_true")
+    prof = sub.add_parser("profile", help="measure this machine for the restore planner (cached)")
+    _common(prof)
+    prof.add_argument("--dirs", nargs="+", help="storage directories to measure (default: the store's)")
+    prof.add_argument("--reprofile", action="store_true", help="measure again even if a profile is cached")
+    plan = sub.add_parser("plan", help="what restore plan hcache would use for a model on a machine")
+    plan.add_argument("--model", help="'default', a .gguf file or an HF folder (or give the geometry)")
+    plan.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "head-dim"):
+        plan.add_argument(f"--{name}", type=int)
+    plan.add_argument("--tokens", type=int, required=True, help="context length to restore")
+    plan.add_argument("--profile", help="a profile JSON from `hcache profile`")
+    plan.add_argument("--tflops", type=float, help="hypothetical machine: peak compute")
+    plan.add_argument("--io-gbps", type=float, help="hypothetical machine: storage read bandwidth")
+    plan.add_argument("--cap-mbps", type=float, help="read bandwidth cap")
+    plan.add_argument("--json", action="store_true")
     bench = sub.add_parser("bench", help="benchmarks (storage)")
     bench.add_argument("what", choices=["storage"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
@@ -47,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.max_new_tokens < 1:
                 raise ValueError("--max-new-tokens must be at least 1")
             return demo.run(cfg.model, cfg.dtype, args.max_new_tokens)
+        if args.command == "profile":
+            return _profile(cfg, args)
+        if args.command == "plan":
+            return _plan(args)
         if args.command == "fsck":
             from hcache.storage.fsck import fsck
 
@@ -60,6 +79,67 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, StorageError) as e:
         print(f"hcache: error: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _profile(cfg: Config, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hcache.model.loader import load
+    from hcache.restore import profiler
+
+    dirs = [Path(d) for d in (args.dirs or cfg.storage_dirs)]
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+    model = load(cfg.model, cfg.dtype).model
+    path = profiler.profile_path(Path(cfg.profile_dir), model)
+    prof = profiler.load_or_run(model, dirs, Path(cfg.profile_dir), args.reprofile)
+    print(f"profile {path}{' (cached; --reprofile to measure again)' if not args.reprofile else ''}")
+    print(f"  read {prof.read_gbps:.2f} GB/s ({', '.join(f'{g:.2f}' for g in prof.per_dir_gbps)} per directory)")
+    print(f"  read latency {prof.read_latency_ms:.2f} ms; H->KV {prof.h_ms_per_ktok:.2f} ms/1K tokens")
+    print(f"  KV placement {prof.kv_ms_per_ktok:.3f} ms/1K tokens; recompute per layer (ms): {prof.re_points}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from hcache.config import ModelConfig, hcache_home
+    from hcache.restore.partitioner import partition
+    from hcache.restore.profile import Geometry, Profile
+
+    elem = 4 if args.dtype == "float32" else 2
+    if args.model:
+        from hcache.model.loader import read_config
+
+        mcfg = read_config(args.model)
+    else:
+        need = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "ffn": args.ffn}
+        missing = [f"--{k}" for k, v in need.items() if not v]
+        if missing:
+            raise ValueError(f"give --model or the geometry ({', '.join(missing)} missing)")
+        kv_heads = args.kv_heads or args.heads
+        head_dim = args.head_dim or args.hidden // args.heads
+        mcfg = ModelConfig("llama", 0, args.hidden, args.ffn, args.layers, args.heads, kv_heads, head_dim, 0)
+    geom = Geometry.of(mcfg, elem)
+    if args.profile:
+        prof = Profile.load(Path(args.profile))
+    elif args.tflops and args.io_gbps:
+        prof = Profile.hypothetical(geom, args.tflops, args.io_gbps)
+    else:
+        cached = sorted((hcache_home() / "profiles").glob("*.json"))
+        if not cached:
+            raise ValueError("no profile: run `hcache profile`, or pass --profile FILE or --tflops T --io-gbps B")
+        prof = Profile.load(cached[-1])
+    cap = args.cap_mbps / 1000 if args.cap_mbps else None
+    res = partition(geom, prof, args.tokens, cap)
+    if args.json:
+        print(json.dumps(res.to_json(), indent=2))
+    else:
+        print(f"{prof.name}: {args.tokens} tokens -> {res.plan}")
+        print(f"  predicted {res.makespan_ms:.1f} ms (storage {res.io_ms:.1f} ms, compute {res.compute_ms:.1f} ms)")
+        print(f"  reads {res.bytes / 1e6:.1f} MB; counts {res.plan.counts()}")
     return 0
 
 

@@ -3,7 +3,9 @@ Hugging Face `config.json` or a GGUF header; `Config` is what the service runs w
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 ARCH_LLAMA = "llama"
@@ -140,12 +142,17 @@ def _rope_scaling(rope: dict[str, Any]) -> RopeScaling | None:
     raise ValueError(f"unsupported rope scaling {kind!r}: hcache supports default, linear and llama3")
 
 
+def hcache_home() -> Path:
+    return Path(os.environ.get("HCACHE_HOME", Path.home() / ".cache" / "hcache"))
+
+
 @dataclass
 class Config:
-    """What `hcache` runs with. Later issues add storage, engine and server sections."""
+    """What `hcache` runs with. Later issues add engine and server sections."""
 
     model: str = "default"  # "default" (SmolLM2-135M-Instruct GGUF), a .gguf file or an HF folder
     dtype: str = "float32"  # float32 | bfloat16
     device: str = "cpu"
     threads: int = 0  # 0: leave torch's default
-    extra: dict[str, Any] = field(default_factory=dict)
+    storage_dirs: list[str] = field(default_factory=lambda: [str(hcache_home() / "store")])
+    profile_dir: str = field(default_factory=lambda: str(hcache_home() / "profiles"))

@@ -244,3 +244,23 @@ def test_buffered_fallback_where_odirect_is_refused(dirs, monkeypatch, caplog) -
         assert st.slabs and not any(s.direct for s in st.slabs.values())
     warnings = [r for r in caplog.records if "O_DIRECT unavailable" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_read_cap_holds_the_rate(dirs) -> None:
+    import time
+
+    with open_store(dirs) as st:
+        st.create_owner("s", KINDS, "fp")
+        n = 64 * 40
+        save(st, "s", 0, n)
+        st.mark_durable("s", list(range(n)))
+        nbytes = sum(u.used_bytes for u in st.usage())
+        st.throttle.set_rate(nbytes / 0.5, burst_bytes=1)  # the whole owner in about half a second
+        t0 = time.perf_counter()
+        check_all(st, "s", n)
+        took = time.perf_counter() - t0
+        assert 0.4 < took < 2.0
+        st.set_read_cap(0)
+        t0 = time.perf_counter()
+        check_all(st, "s", n)
+        assert time.perf_counter() - t0 < took

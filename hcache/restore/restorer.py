@@ -3,7 +3,10 @@
 - recompute: run layers 0..k-1 forward over the stored token ids;
 - hidden: K, V = the layer's own norm + projection + RoPE on its stored input;
 - kv: copy the stored K and V.
-This is the sequential executor; the pipelined one overlaps reads with compute."""
+The executor is a pipeline: the source reads ahead (a store's reader threads fetch a
+window of layers) while this thread recomputes the RE prefix, then projects or places
+layer by layer, waiting only when a layer's bytes are not in yet. On CUDA host tensors
+are copied on a side stream."""
 
 from __future__ import annotations
 
@@ -22,10 +25,13 @@ from hcache.restore.state import StateSource, StateUnavailable
 class RestoreReport:
     plan: Plan
     num_tokens: int
-    bytes_read: int
+    bytes_read: int  # what the plan reads (a store reports what it actually read in `source_bytes`)
     ms: float
-    ms_by_method: dict[str, float] = field(default_factory=dict)
+    ms_by_method: dict[str, float] = field(default_factory=dict)  # compute per method
+    wait_ms: float = 0.0  # compute stalled on storage: the pipeline's bubble
     fallback_layers: int = 0  # layers recomputed because their stored state was unusable
+    predicted_ms: float | None = None
+    source_bytes: int = 0
 
 
 def recompute_prefix(model: DecoderModel, tokens: list[int], cache: KVCache, num_layers: int) -> None:
@@ -44,22 +50,50 @@ def kv_as_saved(layer: int, k: torch.Tensor, v: torch.Tensor, cache: KVCache) ->
     cache.write(layer, k, v, start=0)
 
 
+class _DeviceFeed:
+    """Moves a layer's host tensors to the model's device (on CUDA through a copy stream,
+    off the compute stream, so the copy overlaps the previous layer's kernels)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def __call__(self, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not self.cuda:
+            return tuple(t.to(self.device) for t in ts)
+        assert self.stream is not None
+        with torch.cuda.stream(self.stream):
+            out = tuple(t.to(self.device, non_blocking=True) for t in ts)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        # the host buffers go back to the reader's pool right after: the copy must have landed
+        done.synchronize()
+        return out
+
+
 def restore(
-    model: DecoderModel, plan: Plan, source: StateSource, cache: KVCache | None = None
+    model: DecoderModel,
+    plan: Plan,
+    source: StateSource,
+    cache: KVCache | None = None,
+    predicted_ms: float | None = None,
 ) -> tuple[KVCache, RestoreReport]:
     """Run `plan` against `source`. A layer whose stored state is unusable is recomputed
     from tokens, together with every layer before it (recompute must be a prefix)."""
     cfg = model.cfg
     if len(plan.methods) != cfg.num_layers:
         raise ValueError(f"plan has {len(plan.methods)} layers, the model {cfg.num_layers}")
+    t0 = time.perf_counter()
     tokens = source.tokens
     n = len(tokens)
     cache = cache or KVCache(cfg, model.dtype, model.device, capacity=max(256, n))
     cache.truncate(0)
     cache.reserve(n)
-    source.prepare(plan)
+    source.prepare(plan)  # reads start now, behind the recompute below
+    feed = _DeviceFeed(model.device)
     spent = dict.fromkeys((m.value for m in Method), 0.0)
-    t0 = time.perf_counter()
+    wait = 0.0
     recomputed = plan.n_recompute
     if recomputed:
         recompute_prefix(model, tokens, cache, recomputed)
@@ -67,12 +101,10 @@ def restore(
     fallbacks = 0
     with torch.inference_mode():
         for layer in range(plan.n_recompute, cfg.num_layers):
+            method = plan.methods[layer]
             t = time.perf_counter()
             try:
-                if plan.methods[layer] == Method.HIDDEN:
-                    kv_from_hidden(model, layer, source.hidden(layer), cache)
-                else:
-                    kv_as_saved(layer, *source.kv(layer), cache)
+                data = source.hidden(layer) if method == Method.HIDDEN else source.kv(layer)
             except StateUnavailable:
                 fallbacks += layer + 1 - recomputed
                 cache.truncate(0)
@@ -80,10 +112,27 @@ def restore(
                 recomputed = layer + 1
                 spent[Method.RECOMPUTE.value] += time.perf_counter() - t
                 continue
-            spent[plan.methods[layer].value] += time.perf_counter() - t
+            t1 = time.perf_counter()
+            wait += t1 - t
+            if method == Method.HIDDEN:
+                kv_from_hidden(model, layer, *feed(data), cache)  # type: ignore[misc]
+            else:
+                kv_as_saved(layer, *feed(*data), cache)
+            source.release(layer)
+            spent[method.value] += time.perf_counter() - t1
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
     cache.length = n
     ms = (time.perf_counter() - t0) * 1e3
     elem = torch.finfo(model.dtype).bits // 8
-    report = RestoreReport(plan, n, plan.bytes_to_read(cfg, n, elem), ms, {k: v * 1e3 for k, v in spent.items()})
-    report.fallback_layers = fallbacks
-    return cache, report
+    return cache, RestoreReport(
+        plan,
+        n,
+        plan.bytes_to_read(cfg, n, elem),
+        ms,
+        {k: v * 1e3 for k, v in spent.items()},
+        wait * 1e3,
+        fallbacks,
+        predicted_ms,
+        source.bytes_read,
+    )

@@ -24,6 +24,13 @@ class StateSource(ABC):
     def prepare(self, plan: Plan) -> None:  # noqa: B027 - optional hook
         """Start fetching what `plan` will read (a store prefetches; memory has nothing to do)."""
 
+    def release(self, layer: int) -> None:  # noqa: B027 - optional hook
+        """The restorer is done with what `hidden(layer)` / `kv(layer)` returned."""
+
+    @property
+    def bytes_read(self) -> int:
+        return 0
+
     @property
     @abstractmethod
     def tokens(self) -> list[int]: ...

@@ -122,6 +122,7 @@ class OwnerReader:
     def _run(self, q: Request, buf: memoryview) -> None:
         try:
             slab = self.store.slab(q.dir, q.slab)
+            self.store.throttle.take(q.count * slab.slot_bytes)
             got = slab.read(q.first, q.count, buf)
         except Exception as e:  # any failure is this request's chunks' failure, never a hang
             for r in q.chunks:

@@ -44,6 +44,14 @@ class StoreSource(StateSource):
             self.reader = self.store.reader(self.owner, [layer])
         return self.reader.get(layer)
 
+    def release(self, layer: int) -> None:
+        if self.reader is not None:
+            self.reader.release(layer)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.reader.bytes_read if self.reader is not None else 0
+
     def hidden(self, layer: int) -> torch.Tensor:
         return self._get(layer, Kind.HIDDEN)
 

@@ -37,6 +37,7 @@ from hcache.storage.manifest import ChunkRow, Manifest, OwnerRow
 from hcache.storage.reader import OwnerReader, ReadPool
 from hcache.storage.slab import ChunkBuffers, SlabFile, SlotAllocator, aligned_buffer
 from hcache.storage.staging import Segment, StagedBatch, StagingRing
+from hcache.storage.throttle import TokenBucket
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.sqlite"
@@ -53,6 +54,7 @@ class StorageConfig:
     read_depth: int = 16  # requests in flight per directory (sharing read_depth + dirs buffers)
     prefetch_layers: int = 12
     fsync_group_bytes: int = 16 << 20
+    read_cap_mbps: float = 0.0  # 0: no cap; otherwise a token bucket on restore reads
 
 
 @dataclass
@@ -111,6 +113,7 @@ class ChunkStore:
         self.errors: dict[str, Exception] = {}
         self._buffers: dict[tuple[int, ...], list[torch.Tensor]] = {}
         self.stats = StoreStats()
+        self.throttle = TokenBucket(cfg.read_cap_mbps * 1e6)
         self._recover()
         self.ring = StagingRing(cfg.staging_bytes, model.hidden_size, model.kv_dim, dtype, torch.device(device))
         self.packer = Packer(self)
@@ -223,12 +226,17 @@ class ChunkStore:
     def save_rows(self, owner: str, start: int, hidden: dict[int, torch.Tensor], kv: dict[int, torch.Tensor]) -> None:
         """Convenience for one owner: stage rows given per layer (H `[n, hidden]`, KV `[n, 2, kv_dim]`)."""
         n = next(iter(hidden.values() or kv.values())).shape[0]
-        batch = self.acquire([(owner, start, n)])
-        for layer, t in batch.hidden.items():
-            t.copy_(hidden[layer])
-        for layer, t in batch.kv.items():
-            t.copy_(kv[layer])
-        self.submit(batch)
+        elem = torch.finfo(self.dtype).bits // 8
+        row_bytes = elem * (len(hidden) * self.model.hidden_size + len(kv) * 2 * self.model.kv_dim)
+        step = max(1, self.ring.capacity // (2 * max(1, row_bytes)))  # pieces the ring can hold
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            batch = self.acquire([(owner, start + lo, hi - lo)])
+            for layer, t in batch.hidden.items():
+                t.copy_(hidden[layer][lo:hi])
+            for layer, t in batch.kv.items():
+                t.copy_(kv[layer][lo:hi])
+            self.submit(batch)
 
     def mark_durable(self, owner: str, tokens: list[int]) -> None:
         """End of a turn: write the tail chunks, wait for every chunk of the owner to be
@@ -392,6 +400,10 @@ class ChunkStore:
 
     def submit_read(self, d: int, fn, req) -> None:  # noqa: ANN001
         self.reads.submit(d, fn, req)
+
+    def set_read_cap(self, mbps: float) -> None:
+        """Cap restore reads at `mbps` MB/s (0 lifts the cap)."""
+        self.throttle.set_rate(mbps * 1e6)
 
     def count_read(self, nbytes: int) -> None:
         with self.lock:

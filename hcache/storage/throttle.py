@@ -1,0 +1,34 @@
+"""A token bucket on read bytes: emulates a slower tier (network storage) and leaves
+bandwidth to other tenants. Zero rate means no limit."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+
+class TokenBucket:
+    def __init__(self, rate_bytes_per_s: float = 0.0, burst_bytes: int = 8 << 20):
+        self.lock = threading.Lock()
+        self.set_rate(rate_bytes_per_s, burst_bytes)
+
+    def set_rate(self, rate_bytes_per_s: float, burst_bytes: int = 8 << 20) -> None:
+        with self.lock:
+            self.rate, self.burst = rate_bytes_per_s, burst_bytes
+            self.tokens = float(burst_bytes)
+            self.stamp = time.monotonic()
+
+    def take(self, n: int) -> float:
+        """Block until `n` bytes may go; returns the seconds waited. Requests larger than the
+        burst go into debt, so the long-run rate holds for any request size."""
+        if self.rate <= 0:
+            return 0.0
+        with self.lock:
+            now = time.monotonic()
+            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+            self.tokens -= n
+            delay = -self.tokens / self.rate if self.tokens < 0 else 0.0
+        if delay:
+            time.sleep(delay)
+        return delay
