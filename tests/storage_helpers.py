@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from hcache.config import ModelConfig
-from hcache.storage.layout import Kind
+from hcache.storage.layout import Kind, stored
 from hcache.storage.store import ChunkStore
 
 GEOM = ModelConfig(
@@ -38,8 +38,8 @@ def save(store: ChunkStore, owner: str, start: int, n: int, kinds=KINDS, salt: f
     store.save_rows(
         owner,
         start,
-        {i: h_rows(i, start, n, salt) for i, k in enumerate(kinds) if k == Kind.HIDDEN},
-        {i: kv_rows(i, start, n, salt) for i, k in enumerate(kinds) if k == Kind.KV},
+        {i: h_rows(i, start, n, salt) for i, k in enumerate(kinds) if Kind.HIDDEN in stored(k)},
+        {i: kv_rows(i, start, n, salt) for i, k in enumerate(kinds) if Kind.KV in stored(k)},
     )
 
 

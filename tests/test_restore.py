@@ -112,3 +112,17 @@ def test_restore_rejects_wrong_plan_length(default_model) -> None:
     state, _ = chat_like(default_model.model)
     with pytest.raises(ValueError, match="layers"):
         restore(default_model.model, Plan.uniform(3, Method.KV), state)
+
+
+@pytest.mark.parametrize("split", [0, 64, 100])
+def test_tokenwise_split_restores_exactly(model: DecoderModel, split: int) -> None:
+    from hcache.restore.restorer import restore_tokenwise
+
+    state, _ = chat_like(model)
+    split = min(split, len(state.tokens))
+    restored, report = restore_tokenwise(model, split, state)
+    assert report.split == split
+    for layer in range(model.cfg.num_layers):
+        for got, want in zip(restored.layer_kv(layer), state.kv(layer), strict=True):
+            assert torch.equal(got[split:], want[split:])
+            assert rel_err(got, want) <= REL

@@ -27,14 +27,14 @@ def dirs(tmp_path):
     return out
 
 
-def chat_turns(store: ChunkStore, owner: str, turns=((70, 5), (30, 40))) -> int:
+def chat_turns(store: ChunkStore, owner: str, turns=((70, 5), (30, 40)), kinds=KINDS) -> int:
     """Prompts prefilled at once, replies one token at a time, durable at the end of each turn."""
     n = 0
     for prompt, reply in turns:
-        save(store, owner, n, prompt)
+        save(store, owner, n, prompt, kinds)
         n += prompt
         for _ in range(reply):
-            save(store, owner, n, 1)
+            save(store, owner, n, 1, kinds)
             n += 1
         store.mark_durable(owner, list(range(n)))
     return n
@@ -264,3 +264,28 @@ def test_read_cap_holds_the_rate(dirs) -> None:
         t0 = time.perf_counter()
         check_all(st, "s", n)
         assert time.perf_counter() - t0 < took
+
+
+def test_both_kinds_and_token_ranges(dirs) -> None:
+    """A layer may store H and KV; a token-wise restore reads H's head and KV's tail."""
+    from storage_helpers import expected
+
+    from hcache.storage.reader import Want
+
+    both = [{Kind.HIDDEN, Kind.KV}] * GEOM.num_layers
+    with open_store(dirs) as st:
+        st.create_owner("s", both, "fp")
+        n = chat_turns(st, "s", kinds=both)
+        assert st.owner_row("s").layer_kinds == "B" * GEOM.num_layers
+        split = 128
+        wants = [
+            Want(i, k, *rng)
+            for i in range(GEOM.num_layers)
+            for k, rng in ((Kind.HIDDEN, (0, split)), (Kind.KV, (split, n)))
+        ]
+        r = st.reader("s", wants=wants)
+        for i in range(GEOM.num_layers):
+            assert torch.equal(r.get(i, Kind.HIDDEN), expected(i, Kind.HIDDEN, n)[:split])
+            assert torch.equal(r.get(i, Kind.KV), expected(i, Kind.KV, n)[:, split:])
+        with pytest.raises(ValueError, match="bad token range"):
+            st.reader("s", wants=[Want(0, Kind.KV, 10, n)])

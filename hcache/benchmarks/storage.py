@@ -79,7 +79,7 @@ def _read_all(fd: int, size: int, block: int, qd: int) -> float:
     return time.perf_counter() - t0
 
 
-def _layer_kinds(cfg: ModelConfig) -> list[Kind | None]:
+def _layer_kinds(cfg: ModelConfig) -> list[Kind]:
     # both chunk kinds, as a mixed plan stores them
     return [Kind.HIDDEN if layer % 2 == 0 else Kind.KV for layer in range(cfg.num_layers)]
 

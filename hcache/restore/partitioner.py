@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from hcache.restore.plan import Method, Plan
 from hcache.restore.profile import Geometry, Profile
+from hcache.storage.layout import CHUNK_TOKENS
 
 
 @dataclass(frozen=True)
@@ -113,3 +114,33 @@ def partition(
     io_ms, compute_ms, makespan = best[2]
     nbytes = plan.bytes_to_read_geom(geom.hidden, geom.kv_dim, n_tokens, geom.elem_bytes)
     return PlannedRestore(plan, n_tokens, io_ms, compute_ms, makespan, nbytes)
+
+
+@dataclass
+class TokenwisePlan:
+    """KVPR-style split inside every layer: tokens before `split` from H, the rest from KV."""
+
+    split: int
+    tokens: int
+    io_ms: float
+    compute_ms: float
+    makespan_ms: float
+    bytes: int
+
+
+def partition_tokenwise(geom: Geometry, prof: Profile, n_tokens: int, cap_gbps: float | None = None) -> TokenwisePlan:
+    """The best chunk-aligned split under the same pipeline model (every layer alike)."""
+    gbps = min(prof.read_gbps, cap_gbps) if cap_gbps else prof.read_gbps
+    best: TokenwisePlan | None = None
+    for split in sorted({*range(0, n_tokens, CHUNK_TOKENS), n_tokens}):
+        h, kv = split, n_tokens - split
+        nbytes = geom.h_bytes(h) + geom.kv_bytes(kv)
+        reads = (h > 0) + (kv > 0)
+        io = prof.read_latency_ms * reads + nbytes / (gbps * 1e9) * 1e3
+        compute = (prof.h_ms_per_ktok * h + prof.kv_ms_per_ktok * kv) / 1000
+        costs = {Method.HIDDEN: LayerCost(io, compute)}
+        io_ms, compute_ms, makespan = simulate([Method.HIDDEN] * geom.num_layers, costs)
+        if best is None or makespan < best.makespan_ms:
+            best = TokenwisePlan(split, n_tokens, io_ms, compute_ms, makespan, nbytes * geom.num_layers)
+    assert best is not None
+    return best

@@ -32,6 +32,7 @@ class RestoreReport:
     fallback_layers: int = 0  # layers recomputed because their stored state was unusable
     predicted_ms: float | None = None
     source_bytes: int = 0
+    split: int | None = None  # token-wise restores: tokens before this came from H
 
 
 def recompute_prefix(model: DecoderModel, tokens: list[int], cache: KVCache, num_layers: int) -> None:
@@ -136,3 +137,70 @@ def restore(
         predicted_ms,
         source.bytes_read,
     )
+
+
+def restore_tokenwise(
+    model: DecoderModel,
+    split: int,
+    source: StateSource,
+    cache: KVCache | None = None,
+    predicted_ms: float | None = None,
+) -> tuple[KVCache, RestoreReport]:
+    """Token-wise (KVPR style): in every layer, K/V of tokens before `split` are projected
+    from H and the rest are loaded as KV. Unusable state falls back to recompute."""
+    cfg = model.cfg
+    t0 = time.perf_counter()
+    tokens = source.tokens
+    n = len(tokens)
+    if not 0 <= split <= n:
+        raise ValueError(f"split {split} outside 0..{n}")
+    cache = cache or KVCache(cfg, model.dtype, model.device, capacity=max(256, n))
+    cache.truncate(0)
+    cache.reserve(n)
+    source.prepare_split(split)
+    feed = _DeviceFeed(model.device)
+    spent = dict.fromkeys((m.value for m in Method), 0.0)
+    wait, recomputed = 0.0, 0
+    with torch.inference_mode():
+        for layer in range(cfg.num_layers):
+            if layer < recomputed:
+                continue
+            t = time.perf_counter()
+            try:
+                h = source.hidden(layer, 0, split) if split else None
+                kv = source.kv(layer, split, n) if split < n else None
+            except StateUnavailable:
+                cache.truncate(0)
+                recompute_prefix(model, tokens, cache, layer + 1)
+                recomputed = layer + 1
+                spent[Method.RECOMPUTE.value] += time.perf_counter() - t
+                continue
+            t1 = time.perf_counter()
+            wait += t1 - t
+            if h is not None:
+                kv_from_hidden(model, layer, *feed(h), cache)
+            spent[Method.HIDDEN.value] += time.perf_counter() - t1
+            t2 = time.perf_counter()
+            if kv is not None:
+                k, v = feed(*kv)
+                cache.write(layer, k, v, start=split)
+            source.release(layer)
+            spent[Method.KV.value] += time.perf_counter() - t2
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    cache.length = n
+    elem = torch.finfo(model.dtype).bits // 8
+    nbytes = cfg.num_layers * (split * cfg.hidden_size + (n - split) * 2 * cfg.kv_dim) * elem
+    report = RestoreReport(
+        Plan.uniform(cfg.num_layers, Method.HIDDEN),
+        n,
+        nbytes,
+        (time.perf_counter() - t0) * 1e3,
+        {k: v * 1e3 for k, v in spent.items()},
+        wait * 1e3,
+        recomputed,
+        predicted_ms,
+        source.bytes_read,
+        split,
+    )
+    return cache, report

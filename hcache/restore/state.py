@@ -35,13 +35,16 @@ class StateSource(ABC):
     @abstractmethod
     def tokens(self) -> list[int]: ...
 
-    @abstractmethod
-    def hidden(self, layer: int) -> torch.Tensor:
-        """Layer `layer`'s input hidden states `[T, hidden]`."""
+    def prepare_split(self, split: int) -> None:  # noqa: B027 - optional hook
+        """Token-wise restore: every layer's H for tokens before `split`, KV from there on."""
 
     @abstractmethod
-    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s post-RoPE K and V `[T, kv_heads, head_dim]`."""
+    def hidden(self, layer: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Layer `layer`'s input hidden states for tokens `lo:hi`, `[n, hidden]`."""
+
+    @abstractmethod
+    def kv(self, layer: int, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s post-RoPE K and V for tokens `lo:hi`, `[n, kv_heads, head_dim]`."""
 
 
 class Recorder(Protocol):
@@ -100,11 +103,12 @@ class MemoryState(StateSource):
     def end_turn(self) -> None:
         """Memory is as durable as it gets."""
 
-    def hidden(self, layer: int) -> torch.Tensor:
-        return self._hidden[layer, : len(self._tokens)]
+    def hidden(self, layer: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        return self._hidden[layer, lo : len(self._tokens) if hi is None else hi]
 
-    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._kv.layer_kv(layer)
+    def kv(self, layer: int, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self._kv.layer_kv(layer)
+        return k[lo:hi], v[lo:hi]
 
     def copy(self) -> MemoryState:
         other = MemoryState(self.cfg, self._hidden.dtype, self._hidden.device, capacity=max(1, len(self._tokens)))

@@ -55,7 +55,7 @@ class ChunkWrite:
 class OpenOwner:
     """Packing state of one owner: the chunk being filled for each stored layer."""
 
-    kinds: list[Kind | None]
+    kinds: list[frozenset[Kind]]
     next_token: int
     chunks: dict[tuple[int, Kind], ChunkBuf] = field(default_factory=dict)
     pending: deque[Future] = field(default_factory=deque)
@@ -121,8 +121,8 @@ class Packer(threading.Thread):
         st.chunks.clear()
         if st.next_token % CHUNK_TOKENS:
             idx = st.next_token // CHUNK_TOKENS
-            for layer, kind in enumerate(st.kinds):
-                if kind is not None:
+            for layer, kinds in enumerate(st.kinds):
+                for kind in kinds:
                     buf = st.chunks[(layer, kind)] = self.store.new_chunk(kind)
                     buf.t.copy_(self.store.read_chunk(owner, layer, idx, kind))
         st.loaded = True
@@ -138,9 +138,7 @@ class Packer(threading.Thread):
                 idx, off = divmod(pos, CHUNK_TOKENS)
                 take = min(seg.n - done, CHUNK_TOKENS - off)
                 rows = slice(seg.row + done, seg.row + done + take)
-                for layer, kind in enumerate(st.kinds):
-                    if kind is None:
-                        continue
+                for layer, kind in ((la, k) for la, ks in enumerate(st.kinds) for k in ks):
                     buf = st.chunks.get((layer, kind))
                     if buf is None or off == 0:
                         buf = st.chunks[(layer, kind)] = self.store.new_chunk(kind)

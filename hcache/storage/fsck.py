@@ -102,9 +102,7 @@ def _check(man: Manifest, paths: list[Path], repair: bool) -> FsckReport:
     bad = {(r.owner, r.layer, r.idx, r.kind) for r, _ in rep.bad_chunks}
     have = {(r.owner, r.layer, r.idx, r.kind): r for r in live}
     for o in owners.values():
-        for layer, kind in enumerate(decode_layer_kinds(o.layer_kinds)):
-            if kind is None:
-                continue
+        for layer, kind in ((la, k) for la, ks in enumerate(decode_layer_kinds(o.layer_kinds)) for k in ks):
             for idx in range(num_chunks(o.num_tokens)):
                 r = have.get((o.owner, layer, idx, kind.value))
                 want = min(CHUNK_TOKENS, o.num_tokens - idx * CHUNK_TOKENS)

@@ -21,15 +21,28 @@ class Kind(str, Enum):
     KV = "kv"
 
 
-# per-layer stored representation, as written in the manifest: H, K(V) or - (nothing: recompute)
-LAYER_CODES = {Kind.HIDDEN: "H", Kind.KV: "K", None: "-"}
+Stored = frozenset[Kind]  # what one layer keeps: nothing (recompute), H, KV, or both
+StoredSpec = Kind | None | set[Kind] | frozenset[Kind]
+# one letter per layer in the manifest: - (nothing), H, K (KV), B (both)
+LAYER_CODES: dict[Stored, str] = {
+    frozenset(): "-",
+    frozenset({Kind.HIDDEN}): "H",
+    frozenset({Kind.KV}): "K",
+    frozenset({Kind.HIDDEN, Kind.KV}): "B",
+}
 
 
-def encode_layer_kinds(kinds: list[Kind | None]) -> str:
-    return "".join(LAYER_CODES[k] for k in kinds)
+def stored(spec: StoredSpec) -> Stored:
+    if spec is None:
+        return frozenset()
+    return frozenset({spec}) if isinstance(spec, Kind) else frozenset(spec)
 
 
-def decode_layer_kinds(code: str) -> list[Kind | None]:
+def encode_layer_kinds(kinds: list[StoredSpec]) -> str:
+    return "".join(LAYER_CODES[stored(k)] for k in kinds)
+
+
+def decode_layer_kinds(code: str) -> list[Stored]:
     back = {v: k for k, v in LAYER_CODES.items()}
     return [back[c] for c in code]
 

@@ -31,8 +31,19 @@ class Request:
     min_layer: int
 
 
+@dataclass(frozen=True)
+class Want:
+    """Tokens `lo:hi` of one layer's `kind` (`lo` on a chunk boundary)."""
+
+    layer: int
+    kind: Kind
+    lo: int
+    hi: int
+
+
 @dataclass
 class LayerSlot:
+    want: Want
     shape: tuple[int, ...]
     remaining: int
     out: torch.Tensor | None = None  # taken from the store's buffer pool when the first chunk lands
@@ -62,9 +73,9 @@ def plan_requests(rows: list[ChunkRow], slot_bytes: dict[str, int], max_bytes: i
 
 
 def _extends(run: list[ChunkRow], r: ChunkRow) -> bool:
-    """Does `r` continue `run`: same layer, next slot, same index step?"""
+    """Does `r` continue `run`: same layer and kind, next slot, same index step?"""
     last = run[-1]
-    if r.layer != last.layer or r.slot != last.slot + 1 or r.idx <= last.idx:
+    if r.layer != last.layer or r.kind != last.kind or r.slot != last.slot + 1 or r.idx <= last.idx:
         return False
     return len(run) == 1 or r.idx - last.idx == last.idx - run[-2].idx
 
@@ -75,36 +86,38 @@ def _request(d: int, slab: str, rows: list[ChunkRow]) -> Request:
 
 
 class OwnerReader:
-    """Fetches the stored layers of one owner; `get(layer)` blocks until that layer is whole."""
+    """Fetches parts of one owner's stored layers; `get(layer, kind)` blocks until that part is whole."""
 
-    def __init__(self, store: ChunkStore, owner: str, layers: list[tuple[int, Kind]], num_tokens: int, window: int):
-        self.store, self.owner, self.n = store, owner, num_tokens
+    def __init__(self, store: ChunkStore, owner: str, wants: list[Want], window: int):
+        self.store, self.owner = store, owner
         self.window = max(1, window)
-        self.slots: dict[int, LayerSlot] = {}
+        self.slots: dict[tuple[int, Kind], LayerSlot] = {}
         self.bytes_read = 0
         self._lock = threading.Lock()
-        self._cursor = min((layer for layer, _ in layers), default=0)
-        needed = num_chunks(num_tokens)
+        self._cursor = min((w.layer for w in wants), default=0)
         index = store.chunk_index(owner)
         rows: list[ChunkRow] = []
-        for layer, kind in layers:
-            width = store.shapes[kind].width
-            slot = self.slots[layer] = LayerSlot(
-                (num_tokens, width) if kind == Kind.HIDDEN else (2, num_tokens, width), needed
+        for w in wants:
+            if w.lo % CHUNK_TOKENS or not 0 <= w.lo <= w.hi:
+                raise ValueError(f"bad token range {w.lo}:{w.hi}")
+            width = store.shapes[w.kind].width
+            n = w.hi - w.lo
+            first, last = w.lo // CHUNK_TOKENS, num_chunks(w.hi)
+            slot = self.slots[(w.layer, w.kind)] = LayerSlot(
+                w, (n, width) if w.kind == Kind.HIDDEN else (2, n, width), last - first
             )
-            have = index.get((layer, kind.value), {})
-            for idx in range(needed):
+            have = index.get((w.layer, w.kind.value), {})
+            for idx in range(first, last):
                 r = have.get(idx)
-                want = min(CHUNK_TOKENS, num_tokens - idx * CHUNK_TOKENS)
-                if r is None or r.ntokens < want:
-                    slot.error = ChunkError(
-                        owner, layer, idx, "missing" if r is None else f"holds {r.ntokens} < {want} tokens"
-                    )
+                need = min(CHUNK_TOKENS, w.hi - idx * CHUNK_TOKENS)
+                if r is None or r.ntokens < need:
+                    why = "missing" if r is None else f"holds {r.ntokens} < {need} tokens"
+                    slot.error = ChunkError(owner, w.layer, idx, why)
                     continue
                 rows.append(r)
-            if slot.error is not None or needed == 0:
+            if slot.error is not None or slot.remaining == 0:
                 slot.ready.set()
-        rows = [r for r in rows if self.slots[r.layer].error is None]
+        rows = [r for r in rows if self.slots[(r.layer, Kind(r.kind))].error is None]
         sizes = {s.slab: s.slot_bytes for s in store.shapes.values()}
         self._pending: dict[int, list[Request]] = defaultdict(list)
         for q in plan_requests(rows, sizes, store.cfg.max_request_bytes):
@@ -154,7 +167,7 @@ class OwnerReader:
                 run.append(r)
 
     def _is_tail(self, r: ChunkRow) -> bool:
-        return (r.idx + 1) * CHUNK_TOKENS > self.n
+        return (r.idx + 1) * CHUNK_TOKENS > self.slots[(r.layer, Kind(r.kind))].want.hi
 
     def _place_run(self, q: Request, slot_bytes: int, whole: torch.Tensor, run: list[ChunkRow], shape) -> None:  # noqa: ANN001
         first, k = run[0], len(run)
@@ -162,20 +175,23 @@ class OwnerReader:
         raw = whole[off : off + k * slot_bytes].view(k, slot_bytes)
         chunks = raw[:, : shape.nbytes].view(shape.dtype).view(k, *shape.shape)
         step = run[1].idx - first.idx if k > 1 else 1
-        slot = self.slots[first.layer]
+        slot = self.slots[(first.layer, Kind(first.kind))]
+        lo, hi = slot.want.lo, slot.want.hi
         with self._lock:
             if slot.out is None:
                 slot.out = self.store.take_buffer(slot.shape)
         hidden = Kind(first.kind) == Kind.HIDDEN
+        start = first.idx * CHUNK_TOKENS - lo  # row in the output
         if self._is_tail(first):  # the partial last chunk: only its valid rows
-            start, n = first.idx * CHUNK_TOKENS, self.n - first.idx * CHUNK_TOKENS
+            n = hi - first.idx * CHUNK_TOKENS
             if hidden:
                 slot.out[start:] = chunks[0, :n]
             else:
                 slot.out[:, start:] = chunks[0, :, :n]
         else:
-            full = self.n // CHUNK_TOKENS
-            sel = slice(first.idx, first.idx + step * (k - 1) + 1, step)
+            full = (hi - lo) // CHUNK_TOKENS
+            c0 = start // CHUNK_TOKENS
+            sel = slice(c0, c0 + step * (k - 1) + 1, step)
             if hidden:
                 slot.out[: full * CHUNK_TOKENS].view(full, CHUNK_TOKENS, -1)[sel] = chunks
             else:
@@ -184,7 +200,7 @@ class OwnerReader:
         self._done(slot, k)
 
     def _fail(self, r: ChunkRow, reason: str) -> None:
-        slot = self.slots[r.layer]
+        slot = self.slots[(r.layer, Kind(r.kind))]
         if slot.error is None:
             slot.error = ChunkError(self.owner, r.layer, r.idx, reason)
         self._done(slot)
@@ -195,9 +211,17 @@ class OwnerReader:
             if slot.remaining == 0:
                 slot.ready.set()
 
-    def get(self, layer: int) -> torch.Tensor:
-        """The layer's rows: `[T, hidden]` for H, `[2, T, kv_dim]` (K then V) for KV."""
-        slot = self.slots[layer]
+    def _slot(self, layer: int, kind: Kind | None) -> LayerSlot:
+        if kind is None:
+            mine = [k for (lay, k) in self.slots if lay == layer]
+            if len(mine) != 1:
+                raise ValueError(f"layer {layer}: say which kind ({mine})")
+            kind = mine[0]
+        return self.slots[(layer, kind)]
+
+    def get(self, layer: int, kind: Kind | None = None) -> torch.Tensor:
+        """The rows asked for: `[n, hidden]` for H, `[2, n, kv_dim]` (K then V) for KV."""
+        slot = self._slot(layer, kind)
         with self._lock:
             self._cursor = max(self._cursor, layer)
         self._issue()
@@ -208,12 +232,12 @@ class OwnerReader:
             slot.out = self.store.take_buffer(slot.shape)
         return slot.out
 
-    def release(self, layer: int) -> None:
-        """The caller is done with `get(layer)`'s tensor: its memory serves the next read."""
-        slot = self.slots.get(layer)
-        if slot is not None and slot.out is not None and slot.ready.is_set():
-            self.store.give_buffer(slot.out)
-            slot.out = None
+    def release(self, layer: int, kind: Kind | None = None) -> None:
+        """The caller is done with `get`'s tensor: its memory serves the next read."""
+        for (lay, k), slot in self.slots.items():
+            if lay == layer and (kind is None or k == kind) and slot.out is not None and slot.ready.is_set():
+                self.store.give_buffer(slot.out)
+                slot.out = None
 
 
 class ReadPool:

@@ -1,5 +1,6 @@
-"""The chunk store as a restore source: the plan's H and KV layers stream in
-through one prefetching reader while the restorer works layer by layer."""
+"""The chunk store as a restore source: the plan's H and KV layers (or, token-wise,
+each layer's H head and KV tail) stream in through one prefetching reader while the
+restorer works layer by layer."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from hcache.restore.plan import Method, Plan
 from hcache.restore.state import StateSource
 from hcache.storage.errors import ChunkError
 from hcache.storage.layout import Kind
-from hcache.storage.reader import OwnerReader
+from hcache.storage.reader import OwnerReader, Want
 from hcache.storage.store import ChunkStore
 
 METHOD_KIND = {Method.HIDDEN: Kind.HIDDEN, Method.KV: Kind.KV}
@@ -21,6 +22,7 @@ class StoreSource(StateSource):
         self.row = store.check_fingerprint(owner, fingerprint)
         self.stored = store.layer_kinds(self.row)
         self.reader: OwnerReader | None = None
+        self._ranges: dict[tuple[int, Kind], tuple[int, int]] = {}
         cfg = store.model
         self._kv_shape = (cfg.num_kv_heads, cfg.head_dim)
 
@@ -28,21 +30,48 @@ class StoreSource(StateSource):
     def tokens(self) -> list[int]:
         return self.row.tokens
 
-    def prepare(self, plan: Plan) -> None:
-        """Fetch the layers the plan reads and that hold what it reads; others fail over to recompute."""
-        layers = [
-            layer
-            for layer, m in enumerate(plan.methods)
-            if m != Method.RECOMPUTE and self.stored[layer] == METHOD_KIND[m]
-        ]
-        self.reader = self.store.reader(self.owner, layers)
+    def _start(self, wants: list[Want]) -> None:
+        self._ranges = {(w.layer, w.kind): (w.lo, w.hi) for w in wants}
+        self.reader = self.store.reader(self.owner, wants=wants)
 
-    def _get(self, layer: int, kind: Kind) -> torch.Tensor:
-        if self.stored[layer] != kind:
-            raise ChunkError(self.owner, layer, 0, f"layer stores {self.stored[layer]}, not {kind.value}")
-        if self.reader is None or layer not in self.reader.slots:
-            self.reader = self.store.reader(self.owner, [layer])
-        return self.reader.get(layer)
+    def prepare(self, plan: Plan) -> None:
+        """Fetch what the plan reads where the layer stores it; the rest fails over to recompute."""
+        n = self.row.num_tokens
+        self._start(
+            [
+                Want(layer, METHOD_KIND[m], 0, n)
+                for layer, m in enumerate(plan.methods)
+                if m != Method.RECOMPUTE and METHOD_KIND[m] in self.stored[layer]
+            ]
+        )
+
+    def prepare_split(self, split: int) -> None:
+        """Token-wise: tokens before `split` from H, the rest from KV, in every layer."""
+        n = self.row.num_tokens
+        wants = []
+        for layer in range(len(self.stored)):
+            if split:
+                wants.append(Want(layer, Kind.HIDDEN, 0, split))
+            if split < n:
+                wants.append(Want(layer, Kind.KV, split, n))
+        self._start([w for w in wants if w.kind in self.stored[w.layer]])
+
+    def _get(self, layer: int, kind: Kind, lo: int, hi: int | None) -> torch.Tensor:
+        hi = self.row.num_tokens if hi is None else hi
+        if kind not in self.stored[layer]:
+            raise ChunkError(self.owner, layer, lo // 64, f"layer does not store {kind.value}")
+        if self.reader is None or self._ranges.get((layer, kind)) != (lo, hi):
+            self._start([Want(layer, kind, lo, hi)])  # not prepared: fetch it now
+        assert self.reader is not None
+        return self.reader.get(layer, kind)
+
+    def hidden(self, layer: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        return self._get(layer, Kind.HIDDEN, lo, hi)
+
+    def kv(self, layer: int, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        both = self._get(layer, Kind.KV, lo, hi)
+        n = both.shape[1]
+        return both[0].view(n, *self._kv_shape), both[1].view(n, *self._kv_shape)
 
     def release(self, layer: int) -> None:
         if self.reader is not None:
@@ -51,11 +80,3 @@ class StoreSource(StateSource):
     @property
     def bytes_read(self) -> int:
         return self.reader.bytes_read if self.reader is not None else 0
-
-    def hidden(self, layer: int) -> torch.Tensor:
-        return self._get(layer, Kind.HIDDEN)
-
-    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        both = self._get(layer, Kind.KV)
-        n = both.shape[1]
-        return both[0].view(n, *self._kv_shape), both[1].view(n, *self._kv_shape)

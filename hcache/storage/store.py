@@ -26,6 +26,8 @@ from hcache.storage.layout import (
     CHUNK_TOKENS,
     ChunkShape,
     Kind,
+    Stored,
+    StoredSpec,
     checksum,
     chunk_shapes,
     decode_layer_kinds,
@@ -34,7 +36,7 @@ from hcache.storage.layout import (
     parse_slab,
 )
 from hcache.storage.manifest import ChunkRow, Manifest, OwnerRow
-from hcache.storage.reader import OwnerReader, ReadPool
+from hcache.storage.reader import OwnerReader, ReadPool, Want
 from hcache.storage.slab import ChunkBuffers, SlabFile, SlotAllocator, aligned_buffer
 from hcache.storage.staging import Segment, StagedBatch, StagingRing
 from hcache.storage.throttle import TokenBucket
@@ -167,7 +169,7 @@ class ChunkStore:
     def create_owner(
         self,
         owner: str,
-        layer_kinds: list[Kind | None],
+        layer_kinds: list[StoredSpec],
         fingerprint: str,
         kind: str = "session",
         meta: dict | None = None,
@@ -196,7 +198,7 @@ class ChunkStore:
         return row
 
     @staticmethod
-    def layer_kinds(row: OwnerRow) -> list[Kind | None]:
+    def layer_kinds(row: OwnerRow) -> list[Stored]:
         return decode_layer_kinds(row.layer_kinds)
 
     def owners(self) -> list[OwnerRow]:
@@ -208,9 +210,8 @@ class ChunkStore:
         Fill `batch.hidden[layer]` / `batch.kv[layer]` (one copy per layer), then `submit`."""
         need: dict[int, set[Kind]] = defaultdict(set)
         for owner, *_ in segments:
-            for layer, k in enumerate(self.layer_kinds(self.owner_row(owner))):
-                if k is not None:
-                    need[layer].add(k)
+            for layer, ks in enumerate(self.layer_kinds(self.owner_row(owner))):
+                need[layer] |= ks
         total = sum(n for *_, n in segments)
         batch = self.ring.acquire(total, dict(need))
         row = 0
@@ -378,13 +379,20 @@ class ChunkStore:
                 raise UnknownOwner(f"unknown owner {owner}")
             return {k: dict(v) for k, v in self.index[owner].items()}
 
-    def reader(self, owner: str, layers: list[int] | None = None, window: int | None = None) -> OwnerReader:
+    def reader(
+        self, owner: str, layers: list[int] | None = None, window: int | None = None, wants: list[Want] | None = None
+    ) -> OwnerReader:
+        """Read every stored kind of `layers` (default: all), or exactly `wants`, up to the durable tokens."""
         row = self.owner_row(owner)
-        kinds = self.layer_kinds(row)
-        wanted = [(layer, kinds[layer]) for layer in (layers if layers is not None else range(len(kinds)))]
-        if any(k is None for _, k in wanted):
-            raise ValueError("asked for a layer that stores nothing (it is restored by recompute)")
-        return OwnerReader(self, owner, wanted, row.num_tokens, window or self.cfg.prefetch_layers)  # type: ignore[arg-type]
+        if wants is None:
+            kinds = self.layer_kinds(row)
+            chosen = layers if layers is not None else [i for i, ks in enumerate(kinds) if ks]
+            if any(not kinds[i] for i in chosen):
+                raise ValueError("asked for a layer that stores nothing (it is restored by recompute)")
+            wants = [Want(i, k, 0, row.num_tokens) for i in chosen for k in sorted(kinds[i])]
+        elif any(w.hi > row.num_tokens for w in wants):
+            raise ValueError(f"owner {owner} has {row.num_tokens} durable tokens")
+        return OwnerReader(self, owner, wants, window or self.cfg.prefetch_layers)
 
     def read_chunk(self, owner: str, layer: int, idx: int, kind: Kind) -> torch.Tensor:
         """One whole chunk (all 64 rows of its slot), checked."""
