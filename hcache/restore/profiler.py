@@ -10,6 +10,7 @@ import shutil
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,8 +18,12 @@ from rich.progress import Progress
 
 from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
+from hcache.restore.plan import Method, Plan
 from hcache.restore.profile import Profile
+from hcache.restore.restorer import restore
 from hcache.storage.layout import Kind
+from hcache.storage.reader import Want
+from hcache.storage.source import StoreSource
 from hcache.storage.store import ChunkStore, StorageConfig
 
 SCRATCH = ".hcache-profile"
@@ -49,8 +54,17 @@ def _median_ms(fn: Callable[[], object], repeats: int = 5) -> float:
     return statistics.median(times) * 1e3
 
 
-def _io(model: DecoderModel, dirs: list[Path], tokens: int) -> tuple[float, float]:
-    """(GB/s, ms of a one-chunk read) for restore-shaped reads of a scratch owner over `dirs`."""
+@dataclass
+class IOResult:
+    read_gbps: float
+    latency_ms: float
+    h_ms_per_ktok: float  # H -> KV inside a real H-only restore: reads in flight compete for the CPU
+    kv_ms_per_ktok: float
+
+
+def _io(model: DecoderModel, dirs: list[Path], tokens: int, pipeline: bool = False) -> IOResult:
+    """Restore-shaped reads of a scratch owner over `dirs`; with `pipeline`, also the per-layer
+    compute of real H-only and KV-only restores (on a small machine reads and compute share cores)."""
     scratch = [d / SCRATCH for d in dirs]
     for d in scratch:
         shutil.rmtree(d, ignore_errors=True)
@@ -58,46 +72,60 @@ def _io(model: DecoderModel, dirs: list[Path], tokens: int) -> tuple[float, floa
     try:
         cfg = model.cfg
         with ChunkStore(StorageConfig([str(d) for d in scratch]), cfg, model.dtype, str(model.device)) as st:
-            kinds = [Kind.KV if i % 2 else Kind.HIDDEN for i in range(cfg.num_layers)]
-            st.create_owner("profile", kinds, "profile")
+            both = [{Kind.HIDDEN, Kind.KV}] * cfg.num_layers
+            st.create_owner("profile", both, model.fingerprint())
             h = torch.randn(tokens, cfg.hidden_size).to(model.dtype)
             kv = torch.randn(tokens, 2, cfg.kv_dim).to(model.dtype)
             st.save_rows(
-                "profile",
-                0,
-                {i: h for i, k in enumerate(kinds) if k == Kind.HIDDEN},
-                {i: kv for i, k in enumerate(kinds) if k == Kind.KV},
+                "profile", 0, dict.fromkeys(range(cfg.num_layers), h), dict.fromkeys(range(cfg.num_layers), kv)
             )
             st.mark_durable("profile", [0] * tokens)
+            half = [Want(i, Kind.KV if i % 2 else Kind.HIDDEN, 0, tokens) for i in range(cfg.num_layers)]
 
             def read_all() -> int:
-                r = st.reader("profile")
-                for layer in range(cfg.num_layers):
-                    r.get(layer)
-                    r.release(layer)
+                r = st.reader("profile", wants=half)
+                for w in half:
+                    r.get(w.layer, w.kind)
+                    r.release(w.layer)
                 return r.bytes_read
 
             nbytes = read_all()
             secs = _median_ms(read_all) / 1e3
             latency = _median_ms(lambda: st.read_chunk("profile", 0, 0, Kind.HIDDEN))
-            return nbytes / secs / 1e9, latency
+            rates = {}
+            for m in (Method.HIDDEN, Method.KV) if pipeline else ():
+                runs = []
+                for _ in range(3):
+                    _, rep = restore(
+                        model, Plan.uniform(cfg.num_layers, m), StoreSource(st, "profile", model.fingerprint())
+                    )
+                    runs.append(rep.ms_by_method[m.value] / cfg.num_layers * 1000 / tokens)
+                rates[m] = statistics.median(runs)
+            return IOResult(nbytes / secs / 1e9, latency, rates.get(Method.HIDDEN, 0.0), rates.get(Method.KV, 0.0))
     finally:
         for d in scratch:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def run(model: DecoderModel, dirs: list[Path], io_tokens: int = IO_TOKENS, show: bool = True) -> Profile:
+def run(
+    model: DecoderModel,
+    dirs: list[Path],
+    io_tokens: int = IO_TOKENS,
+    show: bool = True,
+    re_contexts: tuple[int, ...] = RE_CONTEXTS,
+) -> Profile:
     cfg, dev, dt = model.cfg, model.device, model.dtype
-    steps = len(dirs) + 1 + 2 + len(RE_CONTEXTS)
+    steps = len(dirs) + 1 + 2 + len(re_contexts)
     with Progress(disable=not show, transient=True) as bar:
         task = bar.add_task("profiling", total=steps)
         per_dir = []
         for d in dirs:
             bar.update(task, description=f"read bandwidth {d}")
-            per_dir.append(_io(model, [d], io_tokens)[0])
+            per_dir.append(_io(model, [d], io_tokens).read_gbps)
             bar.advance(task)
-        bar.update(task, description="read bandwidth, all directories")
-        read_gbps, latency = _io(model, dirs, io_tokens)
+        bar.update(task, description="read bandwidth and restore compute, all directories")
+        io = _io(model, dirs, io_tokens, pipeline=True)
+        read_gbps, latency = io.read_gbps, io.latency_ms
         bar.advance(task)
 
         n = 1024
@@ -106,28 +134,35 @@ def run(model: DecoderModel, dirs: list[Path], io_tokens: int = IO_TOKENS, show:
         cache = KVCache(cfg, dt, dev, capacity=n)
         bar.update(task, description="H -> KV projection")
 
+        # every layer with its own weights, as a restore runs them (one layer re-run stays cache-hot)
         def project() -> None:
-            k, v = model.kv_from_hidden(0, h, pos)
-            cache.write(0, k, v, start=0)
+            for layer in range(cfg.num_layers):
+                k, v = model.kv_from_hidden(layer, h, pos)
+                cache.write(layer, k, v, start=0)
 
-        h_ms = _median_ms(project)
+        h_ms = max(_median_ms(project) / cfg.num_layers, io.h_ms_per_ktok * n / 1000)
         bar.advance(task)
         k = torch.randn(n, cfg.num_kv_heads, cfg.head_dim, device=dev).to(dt)
         bar.update(task, description="KV placement")
-        kv_ms = _median_ms(lambda: cache.write(1, k, k, start=0))
+        kv_ms = max(
+            _median_ms(lambda: [cache.write(i, k, k, start=0) for i in range(cfg.num_layers)]) / cfg.num_layers,
+            io.kv_ms_per_ktok * n / 1000,
+        )
         bar.advance(task)
 
         re_points = {}
-        for ctx in RE_CONTEXTS:
+        for ctx in re_contexts:
             if ctx > cfg.max_position:
                 continue
             bar.update(task, description=f"recompute, {ctx} tokens")
             ids = torch.randint(0, cfg.vocab_size, (ctx,), device=dev)
 
-            def one_layer(ids: torch.Tensor = ids, ctx: int = ctx) -> None:
-                model(ids, torch.arange(ctx, device=dev), KVCache(cfg, dt, dev, capacity=ctx), num_layers=1)
+            depth = min(cfg.num_layers, 4)
 
-            re_points[ctx] = _median_ms(one_layer, repeats=3)
+            def some_layers(ids: torch.Tensor = ids, ctx: int = ctx, depth: int = depth) -> None:
+                model(ids, torch.arange(ctx, device=dev), KVCache(cfg, dt, dev, capacity=ctx), num_layers=depth)
+
+            re_points[ctx] = _median_ms(some_layers, repeats=3) / depth
             bar.advance(task)
     return Profile(
         name=device_name(dev),

@@ -8,14 +8,15 @@ import time
 
 
 class TokenBucket:
-    def __init__(self, rate_bytes_per_s: float = 0.0, burst_bytes: int = 8 << 20):
+    def __init__(self, rate_bytes_per_s: float = 0.0, burst_bytes: int = 1 << 20):
         self.lock = threading.Lock()
         self.set_rate(rate_bytes_per_s, burst_bytes)
 
-    def set_rate(self, rate_bytes_per_s: float, burst_bytes: int = 8 << 20) -> None:
+    def set_rate(self, rate_bytes_per_s: float, burst_bytes: int = 1 << 20) -> None:
+        # starts empty: a capped read never gets more than the rate, not even at first
         with self.lock:
             self.rate, self.burst = rate_bytes_per_s, burst_bytes
-            self.tokens = float(burst_bytes)
+            self.tokens = 0.0
             self.stamp = time.monotonic()
 
     def take(self, n: int) -> float:

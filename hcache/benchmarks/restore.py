@@ -1,0 +1,251 @@
+"""Restore benchmark: RE only, KV only, H only, auto (the partitioner's layer-wise mix)
+and token-wise (KVPR style) on the same stored state, per model, context, number of
+storage directories and read cap, with the planner's prediction next to each time.
+
+Models: the default (grouped-query), the default expanded to multi-head by replicating
+its K/V heads (the same function, KV twice the size of H), and a random model of
+Llama-2-7B layer geometry with few layers. States up to `--real-max` tokens come from
+a real prefill; longer ones are synthetic (random hidden states, K/V projected from
+them), which costs the same to restore. Recompute predicted over `--re-budget-s` is
+reported as predicted only."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from hcache.config import ModelConfig
+from hcache.model.attention import KVCache
+from hcache.model.base import DecoderModel
+from hcache.model.llama import Llama
+from hcache.model.loader import load
+from hcache.restore import profiler
+from hcache.restore.partitioner import Geometry, layer_costs, partition, partition_tokenwise, simulate
+from hcache.restore.plan import Method, Plan
+from hcache.restore.profile import Profile
+from hcache.restore.restorer import restore, restore_tokenwise
+from hcache.storage.layout import Kind
+from hcache.storage.source import StoreSource
+from hcache.storage.store import ChunkStore, StorageConfig
+
+METHODS = ("RE", "KV", "H", "auto", "tokenwise")
+BOTH = {Kind.HIDDEN, Kind.KV}
+
+
+@dataclass
+class Row:
+    model: str
+    tokens: int
+    dirs: int
+    cap_mbps: float
+    method: str
+    plan: str
+    ms: float | None
+    predicted_ms: float
+    tokens_per_s: float | None
+    bytes_read: int
+    wait_ms: float | None
+    state: str
+    speedup_vs_best_single: float | None = None
+
+
+def expand_to_mha(model: DecoderModel) -> DecoderModel:
+    """The same function with every query head owning a copy of its K/V head."""
+    cfg = model.cfg
+    group = cfg.num_heads // cfg.num_kv_heads
+    mha = replace(cfg, num_kv_heads=cfg.num_heads)
+    state = {}
+    for name, t in model.state_dict().items():
+        if name.endswith(("wk.weight", "wv.weight", "wk.bias", "wv.bias")):
+            t = t.view(cfg.num_kv_heads, cfg.head_dim, *t.shape[1:]).repeat_interleave(group, 0)
+            t = t.reshape(cfg.num_heads * cfg.head_dim, *t.shape[2:])
+        state[name] = t.clone()
+    with torch.device("meta"):
+        out = Llama(mha)
+    out.load_state_dict(state, strict=False, assign=True)
+    if mha.tie_embeddings:
+        out.lm_head.weight = out.embed_tokens.weight
+    return out.eval()
+
+
+def llama7b_geometry(layers: int, dtype: torch.dtype) -> DecoderModel:
+    cfg = ModelConfig("llama", 1000, 4096, 11008, layers, 32, 32, 128, 32768, rope_theta=10000.0)
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+        for layer in model.layers:
+            layer.attn_norm.weight.fill_(1.0)
+            layer.ffn_norm.weight.fill_(1.0)
+    return model.to(dtype).eval()
+
+
+def save_state(model: DecoderModel, store: ChunkStore, owner: str, n: int, real: bool, step: int = 1024) -> None:
+    """Every layer's H and KV for `n` tokens, saved through the two-stage path."""
+    cfg, dt = model.cfg, model.dtype
+    store.create_owner(owner, [BOTH] * cfg.num_layers, model.fingerprint())
+    g = torch.Generator().manual_seed(n)
+    tokens = torch.randint(0, cfg.vocab_size, (n,), generator=g)
+    cache = KVCache(cfg, dt, model.device, capacity=n if real else step)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        batch = store.acquire([(owner, lo, hi - lo)])
+        pos = torch.arange(lo, hi)
+        if real:
+            model(tokens[lo:hi], pos, cache, hidden_out=batch.hidden)
+            for layer, dst in batch.kv.items():
+                k, v = cache.layer_kv(layer, hi)
+                dst[:, 0], dst[:, 1] = k[lo:].reshape(hi - lo, -1), v[lo:].reshape(hi - lo, -1)
+        else:
+            for layer, dst in batch.hidden.items():
+                dst.copy_(torch.randn(hi - lo, cfg.hidden_size, generator=g).to(dt))
+                k, v = model.kv_from_hidden(layer, dst, pos)
+                batch.kv[layer][:, 0], batch.kv[layer][:, 1] = k.reshape(hi - lo, -1), v.reshape(hi - lo, -1)
+        store.submit(batch)
+    store.mark_durable(owner, tokens.tolist())
+
+
+def method_plan(method: str, geom: Geometry, prof: Profile, n: int, cap: float | None) -> tuple[Plan | int, float]:
+    """(plan, or the token-wise split, and its predicted ms)."""
+    L = geom.num_layers
+    if method == "auto":
+        p = partition(geom, prof, n, cap)
+        return p.plan, p.makespan_ms
+    if method == "tokenwise":
+        t = partition_tokenwise(geom, prof, n, cap)
+        return t.split, t.makespan_ms
+    m = {"RE": Method.RECOMPUTE, "KV": Method.KV, "H": Method.HIDDEN}[method]
+    plan = Plan.uniform(L, m)
+    return plan, simulate(plan.methods, layer_costs(geom, prof, n, cap))[2]
+
+
+def run(
+    models: list[str],
+    contexts: list[int],
+    dir_counts: list[int],
+    caps: list[float],
+    repeats: int,
+    base: Path,
+    real_max: int = 4096,
+    re_budget_s: float = 20.0,
+    dtype: torch.dtype = torch.bfloat16,
+    log=print,  # noqa: ANN001
+) -> list[Row]:
+    rows: list[Row] = []
+    for name in models:
+        if name == "llama7b":
+            model = llama7b_geometry(2, dtype)
+        else:
+            model = load("default", str(dtype).removeprefix("torch.")).model
+            if name == "default-mha":
+                model = expand_to_mha(model)
+        geom = Geometry.of(model.cfg, torch.finfo(dtype).bits // 8)
+        pdir = base / "profile"
+        pdir.mkdir(parents=True, exist_ok=True)
+        prof = profiler.run(model, [pdir], show=False, re_contexts=(256, 1024, 2048))
+        log(f"{name}: profile read {prof.read_gbps:.2f} GB/s, H {prof.h_ms_per_ktok:.2f} ms/1K, RE {prof.re_points}")
+        for n in contexts:
+            real = n <= real_max
+            for nd in dir_counts:
+                dirs = [base / f"{name}-{n}-{nd}-{i}" for i in range(nd)]
+                for d in dirs:
+                    d.mkdir(parents=True)
+                cfg = StorageConfig([str(d) for d in dirs], staging_bytes=512 << 20)
+                with ChunkStore(cfg, model.cfg, dtype) as store:
+                    save_state(model, store, "s", n, real)
+                    for cap in caps:
+                        store.set_read_cap(cap)
+                        group = []
+                        for method in METHODS:
+                            plan, pred = method_plan(method, geom, prof, n, cap / 1000 if cap else None)
+                            if method == "RE" and pred > re_budget_s * 1e3:
+                                ms = wait = None
+                                nbytes = 0
+                            else:
+                                times, waits = [], []
+                                for _ in range(repeats):
+                                    src = StoreSource(store, "s", model.fingerprint())
+                                    if isinstance(plan, int):
+                                        _, rep = restore_tokenwise(model, plan, src, predicted_ms=pred)
+                                    else:
+                                        _, rep = restore(model, plan, src, predicted_ms=pred)
+                                    times.append(rep.ms)
+                                    waits.append(rep.wait_ms)
+                                    nbytes = rep.source_bytes
+                                ms, wait = statistics.median(times), statistics.median(waits)
+                            label = f"split {plan}" if isinstance(plan, int) else str(plan)
+                            state = "prefill" if real else "synthetic"
+                            tps = n / ms * 1e3 if ms else None
+                            r = Row(name, n, nd, cap, method, label, ms, pred, tps, nbytes, wait, state)
+                            group.append(r)
+                            log(
+                                f"  {n:>6} tok {nd} dirs cap {cap or '-':>4} {method:>9}: {_fmt(ms)} ms "
+                                f"(pred {pred:.0f}) {label}"
+                            )
+                        singles = [r.ms for r in group if r.method in ("RE", "KV", "H") and r.ms]
+                        for r in group:
+                            if r.ms and singles:
+                                r.speedup_vs_best_single = min(singles) / r.ms
+                        rows += group
+                for d in dirs:
+                    shutil.rmtree(d, ignore_errors=True)
+    return rows
+
+
+def _fmt(ms: float | None) -> str:
+    return "skipped" if ms is None else f"{ms:.0f}"
+
+
+def print_table(rows: list[Row]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="restore: median ms (predicted), speedup of each over the best single method")
+    for col in ("model", "tokens", "dirs", "cap MB/s", "method", "plan", "ms", "predicted", "MB read", "x best single"):
+        t.add_column(col, justify="left" if col in ("model", "method", "plan") else "right")
+    for r in rows:
+        t.add_row(
+            r.model, str(r.tokens), str(r.dirs), str(int(r.cap_mbps)) if r.cap_mbps else "-", r.method, r.plan,
+            _fmt(r.ms), f"{r.predicted_ms:.0f}", f"{r.bytes_read / 1e6:.0f}",
+            f"{r.speedup_vs_best_single:.2f}" if r.speedup_vs_best_single else "-",
+        )  # fmt: skip
+    Console(width=170).print(t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hcache bench restore")
+    ap.add_argument("--models", nargs="+", default=["default", "default-mha", "llama7b"])
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1024, 4096, 16384])
+    ap.add_argument("--dirs", nargs="+", type=int, default=[1, 4], help="numbers of storage directories")
+    ap.add_argument("--caps", nargs="+", type=float, default=[0, 200], help="read caps in MB/s (0: none)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--base", help="where the stores go (default: a temp dir)")
+    ap.add_argument("--real-max", type=int, default=4096, help="longest context built by a real prefill")
+    ap.add_argument("--re-budget-s", type=float, default=20.0)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default="bench/results/restore.json")
+    a = ap.parse_args(argv)
+    base = Path(tempfile.mkdtemp(prefix="hcache-restore-", dir=a.base))
+    t0 = time.time()
+    try:
+        rows = run(a.models, a.tokens, a.dirs, a.caps, a.repeats, base, a.real_max, a.re_budget_s,
+                   log=(lambda *x: None) if a.json else print)  # fmt: skip
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    out = {"rows": [asdict(r) for r in rows], "seconds": time.time() - t0, "torch_threads": torch.get_num_threads()}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=2))
+    if a.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print_table(rows)
+    return 0

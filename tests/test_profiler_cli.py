@@ -1,0 +1,56 @@
+"""Profiler, `hcache plan` / `hcache profile`, and the multi-head expansion the restore
+benchmark relies on."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from hcache.benchmarks.restore import expand_to_mha
+from hcache.cli import main
+from hcache.model import KVCache, load
+from hcache.restore import profiler
+from hcache.restore.profile import Profile
+
+
+def test_mha_expansion_is_the_same_function(tiny_folder) -> None:
+    gqa = load(str(tiny_folder("llama_gqa"))).model
+    mha = expand_to_mha(gqa)
+    assert mha.cfg.num_kv_heads == mha.cfg.num_heads and gqa.cfg.num_kv_heads < gqa.cfg.num_heads
+    ids = torch.arange(1, 50)
+    a = gqa.logits(gqa(ids, torch.arange(49), KVCache(gqa.cfg, gqa.dtype)))
+    b = mha.logits(mha(ids, torch.arange(49), KVCache(mha.cfg, mha.dtype)))
+    assert (a - b).abs().max() < 1e-4
+
+
+def test_profile_measures_and_is_cached(tiny_folder, tmp_path) -> None:
+    model = load(str(tiny_folder("llama_gqa"))).model
+    store = tmp_path / "store"
+    store.mkdir()
+    prof = profiler.load_or_run(model, [store], tmp_path / "profiles")
+    assert prof.read_gbps > 0 and prof.h_ms_per_ktok > 0 and prof.kv_ms_per_ktok > 0
+    assert sorted(prof.re_points) == [256]  # contexts past the model's 256 positions are skipped
+    assert prof.re_ms(8192) > prof.re_ms(1024) > 0
+    path = profiler.profile_path(tmp_path / "profiles", model)
+    assert path.exists() and not (store / profiler.SCRATCH).exists()
+    path.write_text(path.read_text().replace(str(prof.read_gbps), "123.0", 1))
+    assert profiler.load_or_run(model, [store], tmp_path / "profiles").read_gbps == 123.0  # reused
+    assert Profile.load(path).re_points == prof.re_points
+
+
+def test_plan_cli_json(capsys) -> None:
+    args = ["plan", "--layers", "32", "--hidden", "4096", "--heads", "32", "--ffn", "11008", "--tokens", "4096"]
+    assert main([*args, "--tflops", "312", "--io-gbps", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert sum(out["counts"].values()) == 32 and len(out["layers"]) == 32 and out["predicted_ms"] > 0
+    assert main([*args, "--tflops", "312", "--io-gbps", "8", "--cap-mbps", "500", "--json"]) == 0
+    capped = json.loads(capsys.readouterr().out)
+    assert capped["predicted_ms"] > out["predicted_ms"]
+
+
+def test_plan_cli_errors(capsys) -> None:
+    assert main(["plan", "--tokens", "10", "--layers", "2"]) == 2
+    assert "--hidden" in capsys.readouterr().err
+    assert main(["plan", "--model", "default", "--tokens", "0", "--tflops", "1", "--io-gbps", "1"]) == 2
+    assert "nothing to restore" in capsys.readouterr().err
