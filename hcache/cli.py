@@ -42,8 +42,8 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--io-gbps", type=float, help="hypothetical machine: storage read bandwidth")
     plan.add_argument("--cap-mbps", type=float, help="read bandwidth cap")
     plan.add_argument("--json", action="store_true")
-    bench = sub.add_parser("bench", help="benchmarks (storage)")
-    bench.add_argument("what", choices=["storage"])
+    bench = sub.add_parser("bench", help="benchmarks (storage, restore)")
+    bench.add_argument("what", choices=["storage", "restore"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
     return ap
 
@@ -73,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(report.lines()))
             return 0 if report.clean or args.repair else 1
         if args.command == "bench":
-            from hcache.benchmarks import storage
+            from importlib import import_module
 
-            return storage.main(args.rest)
+            return import_module(f"hcache.benchmarks.{args.what}").main(args.rest)
     except (FileNotFoundError, ValueError, StorageError) as e:
         print(f"hcache: error: {e}", file=sys.stderr)
         return 2

@@ -56,3 +56,20 @@ def test_console_script_usage_error() -> None:
 def test_unsupported_configs(cfg: dict, msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         ModelConfig.from_hf(cfg)
+
+
+def test_fsck_command(tmp_path, capsys) -> None:
+    import torch
+    from storage_helpers import GEOM, KINDS, save
+
+    from hcache.storage.store import ChunkStore, StorageConfig
+
+    with ChunkStore(StorageConfig([str(tmp_path)]), GEOM, torch.float32) as st:
+        st.create_owner("s", KINDS, "fp")
+        save(st, "s", 0, 100)
+        st.mark_durable("s", list(range(100)))
+    assert main(["fsck", "--dirs", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "1 owners" in out and out.strip().endswith("clean")
+    assert main(["fsck", "--dirs", str(tmp_path / "missing")]) == 2
+    assert "storage directory missing" in capsys.readouterr().err

@@ -110,3 +110,13 @@ def test_bandwidth_cap_moves_work_to_compute() -> None:
 def test_recompute_fit_is_quadratic_in_context() -> None:
     prof = Profile("p", 1, 0, 1, 1, {1000: 10.0, 2000: 24.0, 4000: 64.0})  # 0.008n + 2e-6 n^2
     assert prof.re_ms(8000) == pytest.approx(0.008 * 8000 + 2e-6 * 8000**2, rel=1e-6)
+
+
+def test_plan_decides_what_is_stored() -> None:
+    from hcache.restore.partitioner import storage_kinds
+    from hcache.restore.plan import Plan
+    from hcache.storage.layout import Kind, encode_layer_kinds
+
+    kinds = storage_kinds(Plan.split(6, 2, 3))
+    assert kinds == [None, None, Kind.HIDDEN, Kind.HIDDEN, Kind.HIDDEN, Kind.KV]
+    assert encode_layer_kinds(kinds) == "--HHHK"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from hcache.restore.plan import Method, Plan
 from hcache.restore.profile import Geometry, Profile
-from hcache.storage.layout import CHUNK_TOKENS
+from hcache.storage.layout import CHUNK_TOKENS, Kind
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,11 @@ class PlannedRestore:
             "compute_ms": self.compute_ms,
             "bytes": self.bytes,
         }
+
+
+def storage_kinds(plan: Plan) -> list[Kind | None]:
+    """What to store per layer so that `plan` can run later: nothing for the recomputed prefix."""
+    return [{Method.HIDDEN: Kind.HIDDEN, Method.KV: Kind.KV}.get(m) for m in plan.methods]
 
 
 def layer_costs(geom: Geometry, prof: Profile, n: int, cap_gbps: float | None = None) -> dict[Method, LayerCost]:
