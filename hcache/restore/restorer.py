@@ -73,6 +73,13 @@ class _DeviceFeed:
         return out
 
 
+def _empty_cache(model: DecoderModel, cache: KVCache | None, n: int) -> KVCache:
+    cache = cache or KVCache(model.cfg, model.dtype, model.device, capacity=max(256, n))
+    cache.truncate(0)
+    cache.reserve(n)
+    return cache
+
+
 def restore(
     model: DecoderModel,
     plan: Plan,
@@ -88,9 +95,7 @@ def restore(
     t0 = time.perf_counter()
     tokens = source.tokens
     n = len(tokens)
-    cache = cache or KVCache(cfg, model.dtype, model.device, capacity=max(256, n))
-    cache.truncate(0)
-    cache.reserve(n)
+    cache = _empty_cache(model, cache, n)
     source.prepare(plan)  # reads start now, behind the recompute below
     feed = _DeviceFeed(model.device)
     spent = dict.fromkeys((m.value for m in Method), 0.0)
@@ -154,9 +159,7 @@ def restore_tokenwise(
     n = len(tokens)
     if not 0 <= split <= n:
         raise ValueError(f"split {split} outside 0..{n}")
-    cache = cache or KVCache(cfg, model.dtype, model.device, capacity=max(256, n))
-    cache.truncate(0)
-    cache.reserve(n)
+    cache = _empty_cache(model, cache, n)
     source.prepare_split(split)
     feed = _DeviceFeed(model.device)
     spent = dict.fromkeys((m.value for m in Method), 0.0)

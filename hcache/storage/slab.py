@@ -52,46 +52,25 @@ class SlabFile:
     def num_slots(self) -> int:
         return os.fstat(self.fd).st_size // self.slot_bytes
 
-    def write(self, slot: int, buf: mmap.mmap | memoryview) -> None:
-        self.write_many(slot, 1, buf)
+    def _vectored(self, op, bufs: list[memoryview], offset: int) -> int:  # noqa: ANN001 - os.preadv/os.pwritev
+        try:
+            return op(self.fd, bufs, offset)
+        except OSError as e:
+            if e.errno != errno.EINVAL or not self.direct:
+                raise
+            self._fallback(e)
+            return op(self.fd, bufs, offset)
 
     def write_slots(self, first_slot: int, bufs: list[memoryview]) -> None:
         """Consecutive slots from separate aligned slot buffers, in one vectored request."""
-        try:
-            n = os.pwritev(self.fd, bufs, first_slot * self.slot_bytes)
-        except OSError as e:
-            if e.errno != errno.EINVAL or not self.direct:
-                raise
-            self._fallback(e)
-            n = os.pwritev(self.fd, bufs, first_slot * self.slot_bytes)
+        n = self._vectored(os.pwritev, bufs, first_slot * self.slot_bytes)
         if n != len(bufs) * self.slot_bytes:
-            raise OSError(errno.EIO, f"short write to {self.path}")
-
-    def write_many(self, first_slot: int, count: int, buf: mmap.mmap | memoryview) -> None:
-        """`count` consecutive slots from the start of `buf` (aligned) in one request."""
-        slot, size = first_slot, count * self.slot_bytes
-        view = memoryview(buf)[:size]
-        try:
-            n = os.pwrite(self.fd, view, slot * self.slot_bytes)
-        except OSError as e:
-            if e.errno != errno.EINVAL or not self.direct:
-                raise
-            self._fallback(e)
-            n = os.pwrite(self.fd, view, slot * self.slot_bytes)
-        if n != size:
             raise OSError(errno.EIO, f"short write to {self.path}")
 
     def read(self, first_slot: int, count: int, buf: mmap.mmap) -> memoryview:
         """Read `count` consecutive slots into `buf` (aligned); returns the bytes read."""
         view = memoryview(buf)[: count * self.slot_bytes]
-        try:
-            n = os.preadv(self.fd, [view], first_slot * self.slot_bytes)
-        except OSError as e:
-            if e.errno != errno.EINVAL or not self.direct:
-                raise
-            self._fallback(e)
-            n = os.preadv(self.fd, [view], first_slot * self.slot_bytes)
-        return view[:n]
+        return view[: self._vectored(os.preadv, [view], first_slot * self.slot_bytes)]
 
     def sync(self) -> None:
         os.fdatasync(self.fd)
