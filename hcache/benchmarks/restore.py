@@ -12,7 +12,6 @@ reported as predicted only."""
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from hcache.benchmarks import report
 from hcache.config import ModelConfig
 from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
@@ -243,10 +243,4 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     out = {"rows": [asdict(r) for r in rows], "seconds": time.time() - t0, "torch_threads": torch.get_num_threads()}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=2))
-    if a.json:
-        print(json.dumps(out, indent=2))
-    else:
-        print_table(rows)
-    return 0
+    return report(out, a.out, a.json, lambda: print_table(rows))

@@ -4,7 +4,6 @@ sequential read bandwidth measured in the same run."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from hcache.benchmarks import report
 from hcache.config import ModelConfig
 from hcache.storage.layout import Kind
 from hcache.storage.slab import aligned_buffer
@@ -234,10 +234,4 @@ def main(args: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/storage.json")
     a = ap.parse_args(args)
     res = run(read_config(a.model), DTYPES[a.dtype], a.dirs, a.tokens, a.repeats)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=2))
-    if a.json:
-        print(json.dumps(res, indent=2))
-    else:
-        print_table(res)
-    return 0
+    return report(res, a.out, a.json, lambda: print_table(res))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -186,7 +185,6 @@ class DirWriter(threading.Thread):
         self.group_bytes = max(group_bytes, self.slot_max)
         self.inbox: queue.Queue = queue.Queue()
         self.bytes_written = 0
-        self.write_seconds = 0.0
 
     def run(self) -> None:
         while (first := self.inbox.get()) is not None:
@@ -208,7 +206,6 @@ class DirWriter(threading.Thread):
     def _write_group(self, group: list[ChunkWrite]) -> None:
         """Chunks in consecutive slots of a slab go out as one vectored write; then one
         fdatasync per slab, then one manifest transaction for the whole group."""
-        t0 = time.perf_counter()
         group.sort(key=lambda w: (w.slab, w.slot))
         rows: list[ChunkRow] = []
         slabs = set()
@@ -235,8 +232,7 @@ class DirWriter(threading.Thread):
                 if not w.future.done():
                     w.future.set_exception(err)
             return
-        self.bytes_written += len(group) and sum(len(w.data.mem) for w in group)
-        self.write_seconds += time.perf_counter() - t0
+        self.bytes_written += sum(len(w.data.mem) for w in group)
         for w in group:
             self.store.free_chunk(w.kind, w.data)
             w.future.set_result(None)
