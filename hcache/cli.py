@@ -42,6 +42,23 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--io-gbps", type=float, help="hypothetical machine: storage read bandwidth")
     plan.add_argument("--cap-mbps", type=float, help="read bandwidth cap")
     plan.add_argument("--json", action="store_true")
+    serve = sub.add_parser("serve", help="the gRPC service (default model, default store, port 50051)")
+    _common(serve)
+    serve.add_argument("--dirs", nargs="+", help="storage directories (default: $HCACHE_HOME/store)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--profile", help="a profile JSON (default: measure this machine once, then reuse it)")
+    serve.add_argument("--kv-budget-mb", type=int, default=2048, help="resident KV memory for all sessions")
+    serve.add_argument("--store-kinds", default="auto", choices=["auto", "kv", "hidden", "both"])
+    serve.add_argument("--max-batch", type=int, default=32)
+    serve.add_argument("--sequential", action="store_true", help="restore fully before prefill (no fusing)")
+    serve.add_argument("--read-cap-mbps", type=float, default=0.0)
+    serve.add_argument("--drain-seconds", type=float, default=30.0)
+    chat = sub.add_parser("chat", help="terminal chat client (/restore, /evict, /stats)")
+    chat.add_argument("--target", default="localhost:50051")
+    chat.add_argument("--session", help="continue this session instead of creating one")
+    chat.add_argument("--system", default="", help="system prompt of a new session")
+    chat.add_argument("--max-new-tokens", type=int, default=256)
     bench = sub.add_parser("bench", help="benchmarks (storage, restore)")
     bench.add_argument("what", choices=["storage", "restore"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
@@ -62,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.max_new_tokens < 1:
                 raise ValueError("--max-new-tokens must be at least 1")
             return demo.run(cfg.model, cfg.dtype, args.max_new_tokens)
+        if args.command == "serve":
+            return _serve(cfg, args)
+        if args.command == "chat":
+            from hcache.server import chat
+
+            return chat.run(args.target, args.session, args.system, args.max_new_tokens)
         if args.command == "profile":
             return _profile(cfg, args)
         if args.command == "plan":
@@ -76,10 +99,28 @@ def main(argv: list[str] | None = None) -> int:
             from importlib import import_module
 
             return import_module(f"hcache.benchmarks.{args.what}").main(args.rest)
-    except (FileNotFoundError, ValueError, StorageError) as e:
+    except (OSError, ValueError, StorageError) as e:
         print(f"hcache: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _serve(cfg: Config, args: argparse.Namespace) -> int:
+    import logging
+    from pathlib import Path
+
+    from hcache.restore.profile import Profile
+    from hcache.server import app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.dirs:
+        cfg.storage_dirs = args.dirs
+    cfg.server.host, cfg.server.port, cfg.server.drain_seconds = args.host, args.port, args.drain_seconds
+    e = cfg.engine
+    e.kv_budget_bytes, e.store_kinds, e.max_batch = args.kv_budget_mb << 20, args.store_kinds, args.max_batch
+    e.fused, e.read_cap_mbps = not args.sequential, args.read_cap_mbps
+    profile = Profile.load(Path(args.profile)) if args.profile else None
+    return app.serve(cfg, profile)
 
 
 def _profile(cfg: Config, args: argparse.Namespace) -> int:

@@ -147,8 +147,30 @@ def hcache_home() -> Path:
 
 
 @dataclass
+class EngineConfig:
+    kv_budget_bytes: int = 2 << 30  # resident KV of all sessions (the block pool)
+    max_batch: int = 32  # sequences per decode step
+    piece_tokens: int = 512  # prefill runs in pieces of this many tokens
+    default_max_new_tokens: int = 256
+    fused: bool = True  # prefill layer l as soon as layer l's KV is restored
+    store_kinds: str = "auto"  # per layer: auto (the planner's choice) | kv | hidden | both
+    plan_tokens: int = 4096  # the session length the storage choice is planned for
+    read_cap_mbps: float = 0.0  # restore read cap (0: none)
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    http_port: int = 8000  # 0: no HTTP side port
+    workers: int = 64  # gRPC handler threads (one per open stream)
+    max_message_bytes: int = 4 << 20
+    drain_seconds: float = 30.0
+
+
+@dataclass
 class Config:
-    """What `hcache` runs with. Later issues add engine and server sections."""
+    """What `hcache` runs with."""
 
     model: str = "default"  # "default" (SmolLM2-135M-Instruct GGUF), a .gguf file or an HF folder
     dtype: str = "float32"  # float32 | bfloat16
@@ -156,3 +178,5 @@ class Config:
     threads: int = 0  # 0: leave torch's default
     storage_dirs: list[str] = field(default_factory=lambda: [str(hcache_home() / "store")])
     profile_dir: str = field(default_factory=lambda: str(hcache_home() / "profiles"))
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)

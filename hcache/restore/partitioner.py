@@ -121,6 +121,36 @@ def partition(
     return PlannedRestore(plan, n_tokens, io_ms, compute_ms, makespan, nbytes)
 
 
+def partition_stored(
+    geom: Geometry, prof: Profile, n_tokens: int, stored: list[frozenset[Kind]], cap_gbps: float | None = None
+) -> PlannedRestore:
+    """The fastest plan that reads only what each layer stored: any recompute prefix, then per
+    layer its stored kind (the cheaper one in the pipeline where it kept both). A layer that
+    stored nothing can only be recomputed, so the prefix covers it."""
+    if n_tokens < 1:
+        raise ValueError("nothing to restore")
+    if len(stored) != geom.num_layers:
+        raise ValueError(f"{len(stored)} stored layers for a {geom.num_layers}-layer model")
+    costs = layer_costs(geom, prof, n_tokens, cap_gbps)
+    kind_method = {Kind.HIDDEN: Method.HIDDEN, Kind.KV: Method.KV}
+    first_re = max((i + 1 for i, ks in enumerate(stored) if not ks), default=0)
+    best: tuple[tuple[float, int], list[Method], tuple[float, float, float]] | None = None
+    for n_re in range(first_re, geom.num_layers + 1):
+        order = [Method.RECOMPUTE] * n_re
+        for ks in stored[n_re:]:
+            options = [kind_method[k] for k in sorted(ks)]
+            # one layer's choice: the one that leaves the pipeline earliest from here
+            order.append(min(options, key=lambda m, o=tuple(order): simulate((*o, m), costs)[2]))
+        sim = simulate(order, costs)
+        key = (sim[2], n_re)
+        if best is None or key < best[0]:
+            best = (key, order, sim)
+    assert best is not None
+    plan = Plan(tuple(best[1]))
+    nbytes = plan.bytes_to_read_geom(geom.hidden, geom.kv_dim, n_tokens, geom.elem_bytes)
+    return PlannedRestore(plan, n_tokens, *best[2], nbytes)
+
+
 @dataclass
 class TokenwisePlan:
     """KVPR-style split inside every layer: tokens before `split` from H, the rest from KV."""

@@ -24,6 +24,10 @@ class StateSource(ABC):
     def prepare(self, plan: Plan) -> None:  # noqa: B027 - optional hook
         """Start fetching what `plan` will read (a store prefetches; memory has nothing to do)."""
 
+    def ready(self, layer: int) -> bool:
+        """Is what `layer` needs under the prepared plan already here? (Never blocks.)"""
+        return True
+
     def release(self, layer: int) -> None:  # noqa: B027 - optional hook
         """The restorer is done with what `hidden(layer)` / `kv(layer)` returned."""
 

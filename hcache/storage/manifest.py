@@ -120,13 +120,20 @@ class Manifest:
             rows = self.db.execute("SELECT * FROM owners ORDER BY created").fetchall()
         return [_owner(r) for r in rows]
 
-    def set_tokens(self, owner: str, tokens: list[int]) -> None:
-        """Make a turn durable: its chunks were committed before this."""
+    def set_tokens(self, owner: str, tokens: list[int], meta: dict | None = None) -> None:
+        """Make a turn durable: its chunks were committed before this. `meta` (the session's
+        conversation) changes in the same statement, so tokens and messages never disagree."""
         with self.lock:
-            self.db.execute(
-                "UPDATE owners SET tokens=?, num_tokens=?, updated=? WHERE owner=?",
-                (_pack(tokens), len(tokens), time.time(), owner),
-            )
+            if meta is None:
+                self.db.execute(
+                    "UPDATE owners SET tokens=?, num_tokens=?, updated=? WHERE owner=?",
+                    (_pack(tokens), len(tokens), time.time(), owner),
+                )
+            else:
+                self.db.execute(
+                    "UPDATE owners SET tokens=?, num_tokens=?, meta=?, updated=? WHERE owner=?",
+                    (_pack(tokens), len(tokens), json.dumps(meta), time.time(), owner),
+                )
 
     def delete_owner(self, owner: str) -> list[ChunkRow]:
         with self.lock, self.db:

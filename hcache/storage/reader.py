@@ -232,6 +232,14 @@ class OwnerReader:
             slot.out = self.store.take_buffer(slot.shape)
         return slot.out
 
+    def ready(self, layer: int, kind: Kind | None = None) -> bool:
+        """Would `get` return at once? (Moves the read-ahead window like `get` does.)"""
+        slot = self._slot(layer, kind)
+        with self._lock:
+            self._cursor = max(self._cursor, layer)
+        self._issue()
+        return slot.ready.is_set()
+
     def release(self, layer: int, kind: Kind | None = None) -> None:
         """The caller is done with `get`'s tensor: its memory serves the next read."""
         for (lay, k), slot in self.slots.items():

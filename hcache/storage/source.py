@@ -73,6 +73,12 @@ class StoreSource(StateSource):
         n = both.shape[1]
         return both[0].view(n, *self._kv_shape), both[1].view(n, *self._kv_shape)
 
+    def ready(self, layer: int) -> bool:
+        if self.reader is None:
+            return True
+        kinds = [k for (lay, k) in self._ranges if lay == layer]
+        return all(self.reader.ready(layer, k) for k in kinds)
+
     def release(self, layer: int) -> None:
         if self.reader is not None:
             self.reader.release(layer)

@@ -239,9 +239,9 @@ class ChunkStore:
                 t.copy_(kv[layer][lo:hi])
             self.submit(batch)
 
-    def mark_durable(self, owner: str, tokens: list[int]) -> None:
+    def mark_durable(self, owner: str, tokens: list[int], meta: dict | None = None) -> None:
         """End of a turn: write the tail chunks, wait for every chunk of the owner to be
-        committed, then record the token ids. Returns only when the turn is durable."""
+        committed, then record the token ids (and `meta`). Returns only when the turn is durable."""
         self.owner_row(owner)
         done = _future()
         self.packer.inbox.put(FlushTail(owner, done))
@@ -253,7 +253,7 @@ class ChunkStore:
             raise StorageError(f"saving {owner} failed: {err}") from err
         if staged != len(tokens):
             raise ValueError(f"owner {owner}: {len(tokens)} token ids for {staged} staged rows")
-        self.manifest.set_tokens(owner, tokens)
+        self.manifest.set_tokens(owner, tokens, meta)
 
     def truncate(self, owner: str, n: int) -> None:
         """Forget tokens past `n` (a conversation rewritten from there). Durable at once."""

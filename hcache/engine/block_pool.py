@@ -1,0 +1,191 @@
+"""Resident KV memory: one pool of 64-token blocks per layer, shared by every
+session, and a per-sequence block table. `PagedCache` is one sequence's view
+of the pool with the same contract as the contiguous `KVCache` (begin / attend /
+commit / write / layer_kv / truncate), so the model and the restorer run on it
+unchanged. Blocks are handed out lowest-first and a sequence's blocks are taken
+as one run where possible: a contiguous table is read as a view, not gathered."""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from hcache.config import ModelConfig
+from hcache.model.attention import causal_attention
+
+BLOCK_TOKENS = 64
+
+
+class OutOfBlocks(Exception):
+    """The pool has fewer free blocks than asked for."""
+
+
+class BlockPool:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError("the block pool needs at least one block")
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.num_blocks = num_blocks
+        shape = (num_blocks * BLOCK_TOKENS, cfg.num_kv_heads, cfg.head_dim)
+        # token-major per layer: a block is rows b*64 .. b*64+63
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)]
+        self._free: list[int] = list(range(num_blocks))  # sorted
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, dtype: torch.dtype) -> int:
+        return 2 * cfg.num_layers * BLOCK_TOKENS * cfg.kv_dim * (torch.finfo(dtype).bits // 8)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """`n` blocks, continuing the run that ends at `after` if those blocks are free,
+        else the first free run long enough, else the lowest free blocks."""
+        if n > len(self._free):
+            raise OutOfBlocks(f"{n} blocks asked, {len(self._free)} free")
+        if n == 0:
+            return []
+        start = self._run_start(n, after)
+        if start is not None:
+            i = bisect.bisect_left(self._free, start)
+            out = self._free[i : i + n]
+            del self._free[i : i + n]
+            return out
+        out, self._free = self._free[:n], self._free[n:]
+        return out
+
+    def _run_start(self, n: int, after: int | None) -> int | None:
+        free = self._free
+        if after is not None:
+            i = bisect.bisect_left(free, after + 1)
+            if i + n <= len(free) and free[i] == after + 1 and free[i + n - 1] == after + n:
+                return after + 1
+        run = 1
+        for i in range(1, len(free) + 1):
+            if run >= n:
+                return free[i - n]
+            if i < len(free) and free[i] == free[i - 1] + 1:
+                run += 1
+            else:
+                run = 1
+        return None
+
+    def release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            bisect.insort(self._free, b)
+
+
+class PagedCache:
+    """One sequence's KV in the pool. `length` tokens are committed in every layer."""
+
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+        self.cfg = pool.cfg
+        self.blocks: list[int] = []
+        self.length = 0
+        self._pending = 0
+        self._rows = torch.empty(0, dtype=torch.long, device=pool.device)  # token position -> pool row
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks) * BLOCK_TOKENS
+
+    @property
+    def contiguous(self) -> bool:
+        return not self.blocks or self.blocks[-1] - self.blocks[0] == len(self.blocks) - 1
+
+    def reserve(self, n: int) -> None:
+        """Blocks for `n` more tokens past `length` (raises OutOfBlocks, taking nothing)."""
+        need = -(-(self.length + n) // BLOCK_TOKENS) - len(self.blocks)
+        if need > 0:
+            self.blocks += self.pool.allocate(need, self.blocks[-1] if self.blocks else None)
+            b = torch.tensor(self.blocks, dtype=torch.long, device=self.pool.device)
+            self._rows = (b[:, None] * BLOCK_TOKENS + torch.arange(BLOCK_TOKENS, device=b.device)).reshape(-1)
+
+    def begin(self, n: int) -> None:
+        self.reserve(n)
+        self._pending = n
+
+    def commit(self) -> None:
+        self.length += self._pending
+        self._pending = 0
+
+    def _span(self, start: int, n: int) -> slice | torch.Tensor:
+        if self.contiguous:
+            base = self.blocks[0] * BLOCK_TOKENS + start if self.blocks else 0
+            return slice(base, base + n)
+        return self._rows[start : start + n]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int | None = None) -> None:
+        s = self.length if start is None else start
+        rows = self._span(s, k.shape[0])
+        if isinstance(rows, slice):
+            self.pool.k[layer][rows] = k
+            self.pool.v[layer][rows] = v
+        else:
+            self.pool.k[layer].index_copy_(0, rows, k.to(self.pool.dtype))
+            self.pool.v[layer].index_copy_(0, rows, v.to(self.pool.dtype))
+
+    def layer_kv(self, layer: int, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.length if n is None else n
+        rows = self._span(0, n)
+        if isinstance(rows, slice):
+            return self.pool.k[layer][rows], self.pool.v[layer][rows]
+        return self.pool.k[layer].index_select(0, rows), self.pool.v[layer].index_select(0, rows)
+
+    def rows(self, start: int, n: int) -> torch.Tensor:
+        """Pool rows of positions start..start+n (for copying new K/V out to the saver)."""
+        span = self._span(start, n)
+        if isinstance(span, slice):
+            return torch.arange(span.start, span.stop, device=self.pool.device)
+        return span
+
+    def truncate(self, n: int) -> None:
+        self.length = min(self.length, n)
+        keep = -(-self.length // BLOCK_TOKENS)
+        if keep < len(self.blocks):
+            self.pool.release(self.blocks[keep:])
+            del self.blocks[keep:]
+            self._rows = self._rows[: keep * BLOCK_TOKENS]
+
+    def free(self) -> None:
+        self.pool.release(self.blocks)
+        self.blocks, self.length, self._pending = [], 0, 0
+        self._rows = self._rows[:0]
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+    ) -> torch.Tensor:
+        self.write(layer, k, v)
+        keys, values = self.layer_kv(layer, self.length + q.shape[0])
+        return causal_attention(q, keys, values, scale)
+
+
+class BatchCache:
+    """Several sequences in one forward: rows are the sequences' new tokens, in order.
+    Projections and MLPs run once over all rows; attention runs per sequence."""
+
+    def __init__(self, caches: list[PagedCache], counts: list[int]):
+        self.caches, self.counts = caches, counts
+
+    def begin(self, n: int) -> None:
+        if n != sum(self.counts):
+            raise ValueError(f"{n} rows for {sum(self.counts)} tokens")
+        for c, t in zip(self.caches, self.counts, strict=True):
+            c.begin(t)
+
+    def commit(self) -> None:
+        for c in self.caches:
+            c.commit()
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+    ) -> torch.Tensor:
+        out, row = [], 0
+        for c, t in zip(self.caches, self.counts, strict=True):
+            out.append(c.attend(layer, q[row : row + t], k[row : row + t], v[row : row + t], scale))
+            row += t
+        return torch.cat(out) if len(out) > 1 else out[0]

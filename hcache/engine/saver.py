@@ -1,0 +1,73 @@
+"""Feeding what forwards produce to the chunk store's two-stage saver.
+
+Decode steps stage the whole batch in one ring entry: the forward writes each
+layer's hidden states straight into it and the new K/V rows are gathered next to
+them. A prefill piece spans many engine steps (decode steps run in between), so
+holding a ring entry across them could block the ring behind it; a piece is
+captured into the job's own buffers and staged with one copy when it ends."""
+
+from __future__ import annotations
+
+import torch
+
+from hcache.engine.block_pool import PagedCache
+from hcache.storage.layout import Kind, Stored
+from hcache.storage.staging import StagedBatch
+from hcache.storage.store import ChunkStore
+
+
+def _kv_rows(cache: PagedCache, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = rows.shape[0]
+    return cache.pool.k[layer].index_select(0, rows).view(n, -1), cache.pool.v[layer].index_select(0, rows).view(n, -1)
+
+
+class Saver:
+    """Rows of one owner. `base` is where the owner's own tokens start (a shared context before it)."""
+
+    def __init__(self, store: ChunkStore, owner: str, base: int = 0):
+        self.store, self.owner, self.base = store, owner, base
+        self.kinds: list[Stored] = store.layer_kinds(store.owner_row(owner))
+        self._n = self._cap = 0
+        self._start = 0
+        self._hidden: dict[int, torch.Tensor] = {}
+        self._kv: dict[int, torch.Tensor] = {}
+
+    def begin(self, start: int, n: int) -> dict[int, torch.Tensor]:
+        """Buffers for a piece of `n` tokens at absolute position `start`; the forward copies
+        layer l's input into `[l]` for each layer that stores H."""
+        cfg, dt = self.store.model, self.store.dtype
+        if n > self._cap:
+            layers = list(enumerate(self.kinds))
+            self._hidden = {i: torch.empty(n, cfg.hidden_size, dtype=dt) for i, k in layers if Kind.HIDDEN in k}
+            self._kv = {i: torch.empty(n, 2, cfg.kv_dim, dtype=dt) for i, k in layers if Kind.KV in k}
+            self._cap = n
+        self._n, self._start = n, start
+        return {i: t[:n] for i, t in self._hidden.items()}
+
+    def after_layer(self, layer: int, cache: PagedCache, start: int, n: int) -> None:
+        dst = self._kv.get(layer)
+        if dst is not None:
+            k, v = _kv_rows(cache, layer, cache.rows(start, n))
+            dst[:n, 0] = k
+            dst[:n, 1] = v
+
+    def submit(self) -> None:
+        n = self._n
+        batch = self.store.acquire([(self.owner, self._start - self.base, n)])
+        for layer, t in batch.hidden.items():
+            t.copy_(self._hidden[layer][:n])
+        for layer, t in batch.kv.items():
+            t.copy_(self._kv[layer][:n])
+        self.store.submit(batch)
+
+
+def finish_decode(store: ChunkStore, batch: StagedBatch, caches: list[PagedCache], positions: list[int]) -> None:
+    """A decode step's ring entry (from `store.acquire`, one row per sequence) after the
+    forward wrote its hidden states: gather each row's new K/V next to them and submit."""
+    if batch.kv:
+        pool_rows = torch.cat([c.rows(p, 1) for c, p in zip(caches, positions, strict=True)])
+        for layer, dst in batch.kv.items():
+            k, v = _kv_rows(caches[0], layer, pool_rows)
+            dst[:, 0] = k
+            dst[:, 1] = v
+    store.submit(batch)

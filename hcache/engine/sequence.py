@@ -1,0 +1,161 @@
+"""Per-session and per-request state. A Session is a conversation (or a context)
+whose state lives in the store; a Sequence is one Generate (or restore) moving
+through the phases WAITING -> RESTORING -> PREFILL -> DECODE -> FINISHED."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from hcache.engine.block_pool import PagedCache
+from hcache.engine.prefill import PrefillJob
+from hcache.engine.sampler import Sampler, SamplingParams
+from hcache.restore.plan import Method, Plan
+
+
+class Phase(str, Enum):
+    WAITING = "waiting"
+    RESTORING = "restoring"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass
+class Session:
+    id: str
+    kind: str  # "session" | "context"
+    prefix: list[int]  # token ids of the contexts placed before the conversation
+    parent: str | None  # the context whose stored state covers tokens[:base]
+    base: int
+    tokens: list[int]  # every token whose state exists (prefix included), as durable
+    messages: list[dict[str, str]] = field(default_factory=list)
+    mode: str = ""  # "" until the first turn, then "chat" or "tokens"
+    pending: int | None = None  # the last sampled token (not fed yet), token mode
+    labels: dict[str, str] = field(default_factory=dict)
+    context_ids: list[str] = field(default_factory=list)
+    turns: int = 0
+    created: float = field(default_factory=time.time)
+    updated: float = field(default_factory=time.time)
+    cache: PagedCache | None = None  # resident KV
+    busy: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+    last_plan: Plan | None = None
+    last_restore_ms: float = 0.0
+    error: str | None = None  # why this session cannot be restored (e.g. another model's state)
+
+    @property
+    def resident(self) -> bool:
+        return self.cache is not None
+
+    @property
+    def own_tokens(self) -> list[int]:
+        return self.tokens[self.base :]
+
+    def meta(self) -> dict[str, Any]:
+        """What the manifest keeps next to the token ids (restored after a restart)."""
+        return {
+            "prefix": self.prefix,
+            "parent": self.parent,
+            "base": self.base,
+            "messages": self.messages,
+            "mode": self.mode,
+            "pending": self.pending,
+            "labels": self.labels,
+            "context_ids": self.context_ids,
+            "turns": self.turns,
+        }
+
+
+class TextStream:
+    """Incremental detokenization with stop strings: emits only text that is final (no
+    half of a multi-byte character, nothing that could still turn into a stop string)."""
+
+    def __init__(self, decode: Any, stops: list[str]):
+        self.decode, self.stops = decode, [s for s in stops if s]
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the full text already emitted
+        self.text = ""
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        self.text = self.decode(self.ids)
+        for s in self.stops:
+            at = self.text.find(s)
+            if at >= 0:
+                self.text = self.text[:at]
+                self.stopped = True
+        if self.stopped:
+            return self.flush()
+        safe = len(self.text)
+        if self.text.endswith("\ufffd"):
+            safe = len(self.text.rstrip("\ufffd"))
+        for s in self.stops:  # hold back a tail that is a prefix of a stop string
+            for k in range(min(len(s) - 1, safe), 0, -1):
+                if self.text[:safe].endswith(s[:k]):
+                    safe -= k
+                    break
+        out = self.text[self.sent : max(self.sent, safe)]
+        self.sent = max(self.sent, safe)
+        return out
+
+    def flush(self) -> str:
+        out = self.text[self.sent :]
+        self.sent = len(self.text)
+        return out
+
+
+@dataclass
+class Event:
+    """One message for the Generate stream."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str = ""
+    stats: dict[str, Any] | None = None
+    error: Exception | None = None
+
+
+@dataclass
+class Sequence:
+    session: Session
+    new_tokens: list[int]  # to prefill after what the session keeps
+    keep: int  # tokens of the session's state this turn builds on
+    params: SamplingParams
+    stops: list[str]
+    stop_ids: set[int]
+    max_tokens: int  # context limit: no token is fed at or past this position
+    sample: bool = True  # False: prefill only (a context), no reply
+    restore_method: Method | None = None  # forced method; None: the planner's choice
+    restore_only: bool = False
+    user_message: str | None = None
+    phase: Phase = Phase.WAITING
+    sampler: Sampler | None = None
+    job: PrefillJob | None = None
+    steps: Any = None  # the job's generator
+    generated: list[int] = field(default_factory=list)
+    text: TextStream | None = None
+    events: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    finish_reason: str = ""
+    result: Any = None  # restore-only: the report; after finishing: the stats
+    plan: Plan | None = None
+    predicted_ms: float | None = None
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_start: float = 0.0
+    t_first: float = 0.0
+    t_last: float = 0.0
+    tbt_ms: list[float] = field(default_factory=list)
+    prev_mode: str = ""
+
+    @property
+    def position(self) -> int:
+        """Where the next fed token goes."""
+        return len(self.session.tokens)

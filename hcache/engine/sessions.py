@@ -1,0 +1,196 @@
+"""Sessions and contexts as the store keeps them: loading them after a restart,
+creating them, the restore source of a session (its shared context's chunks,
+then its own), and the restore plan for what it stored."""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+
+from hcache.engine.errors import FailedPrecondition, InvalidArgument, NotFound
+from hcache.engine.sequence import Session
+from hcache.model.base import DecoderModel
+from hcache.restore.partitioner import PlannedRestore, partition, partition_stored, storage_kinds
+from hcache.restore.plan import Method, Plan
+from hcache.restore.profile import Geometry, Profile
+from hcache.restore.state import StateSource
+from hcache.storage.layout import Kind, Stored, encode_layer_kinds
+from hcache.storage.source import StoreSource
+from hcache.storage.store import ChunkStore
+
+
+def new_id(prefix: str = "") -> str:
+    return prefix + secrets.token_hex(16)  # 128 random bits
+
+
+def layer_kinds_for(policy: str, model: DecoderModel, profile: Profile, plan_tokens: int) -> list[Stored]:
+    """What every new owner stores per layer."""
+    n = model.cfg.num_layers
+    fixed = {"kv": {Kind.KV}, "hidden": {Kind.HIDDEN}, "both": {Kind.HIDDEN, Kind.KV}}
+    if policy in fixed:
+        return [frozenset(fixed[policy])] * n
+    if policy != "auto":
+        raise ValueError(f"store_kinds must be auto, kv, hidden or both, not {policy!r}")
+    geom = Geometry.of(model.cfg, torch.finfo(model.dtype).bits // 8)
+    plan = partition(geom, profile, plan_tokens).plan
+    return [frozenset({k}) if k else frozenset() for k in storage_kinds(plan)]
+
+
+class SharedSource(StateSource):
+    """A session on a shared context: tokens before `base` come from the context's chunks,
+    the rest from the session's own (which start at index 0 at token `base`)."""
+
+    def __init__(self, parent: StoreSource, own: StoreSource | None, base: int):
+        self.parent, self.own, self.base = parent, own, base
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.parent.tokens + (self.own.tokens if self.own else [])
+
+    def _parts(self) -> list[StoreSource]:
+        return [self.parent] + ([self.own] if self.own else [])
+
+    def prepare(self, plan: Plan) -> None:
+        for s in self._parts():
+            s.prepare(plan)
+
+    def ready(self, layer: int) -> bool:
+        return all(s.ready(layer) for s in self._parts())
+
+    def hidden(self, layer: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        parts = [s.hidden(layer) for s in self._parts()]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def kv(self, layer: int, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [s.kv(layer) for s in self._parts()]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    def release(self, layer: int) -> None:
+        for s in self._parts():
+            s.release(layer)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(s.bytes_read for s in self._parts())
+
+
+class Registry:
+    """Every session and context, in memory; the store is the truth across restarts."""
+
+    def __init__(self, store: ChunkStore, model: DecoderModel, kinds: list[Stored]):
+        self.store, self.model, self.kinds = store, model, kinds
+        self.fingerprint = model.fingerprint()
+        self.sessions: dict[str, Session] = {}
+        self._load()
+
+    def _load(self) -> None:
+        rows = {r.owner: r for r in self.store.owners()}
+        for r in sorted(rows.values(), key=lambda r: r.kind != "context"):  # contexts first
+            meta = r.meta
+            parent = meta.get("parent")
+            prefix_tokens = rows[parent].tokens if parent in rows else []
+            s = Session(
+                id=r.owner,
+                kind=r.kind,
+                prefix=list(meta.get("prefix", [])),
+                parent=parent,
+                base=int(meta.get("base", 0)),
+                tokens=prefix_tokens + r.tokens,
+                messages=list(meta.get("messages", [])),
+                mode=meta.get("mode", ""),
+                pending=meta.get("pending"),
+                labels=dict(meta.get("labels", {})),
+                context_ids=list(meta.get("context_ids", [])),
+                turns=int(meta.get("turns", 0)),
+                created=r.created,
+                updated=r.updated,
+            )
+            if r.fingerprint != self.fingerprint:
+                s.error = f"{r.kind} {r.owner} was saved by another model; it cannot be continued with this one"
+            elif parent is not None and parent not in rows:
+                s.error = f"session {r.owner} lost its context {parent}"
+            self.sessions[r.owner] = s
+
+    def get(self, sid: str, kind: str = "session") -> Session:
+        s = self.sessions.get(sid)
+        if s is None or s.kind != kind:
+            raise NotFound(f"{kind} {sid!r} not found")
+        return s
+
+    def create(self, kind: str, labels: dict[str, str], context_ids: list[str], messages: list[dict]) -> Session:
+        contexts = [self.get(c, "context") for c in context_ids]
+        for c in contexts:
+            if c.error:
+                raise FailedPrecondition(c.error)
+        prefix = [t for c in contexts for t in c.tokens]
+        first = contexts[0] if contexts else None
+        s = Session(
+            id=new_id("ctx-" if kind == "context" else ""),
+            kind=kind,
+            prefix=prefix,
+            parent=first.id if first else None,
+            base=len(first.tokens) if first else 0,
+            tokens=list(first.tokens) if first else [],
+            messages=messages,
+            labels=labels,
+            context_ids=context_ids,
+        )
+        self.store.create_owner(s.id, list(self.kinds), self.fingerprint, kind=kind, meta=s.meta())
+        self.sessions[s.id] = s
+        return s
+
+    def delete(self, s: Session) -> None:
+        if s.kind == "context":
+            users = [o.id for o in self.sessions.values() if o.parent == s.id]
+            if users:
+                raise FailedPrecondition(f"context {s.id} is shared by {len(users)} session(s); delete them first")
+        self.store.delete(s.id)
+        del self.sessions[s.id]
+
+    # --- restoring ----------------------------------------------------------
+    def stored(self, s: Session, n: int) -> list[Stored]:
+        """What every layer can be read as, for the first `n` tokens."""
+        own = self.store.layer_kinds(self.store.owner_row(s.id))
+        if s.parent is None:
+            return own
+        par = self.store.layer_kinds(self.store.owner_row(s.parent))
+        return par if n <= s.base else [a & b for a, b in zip(par, own, strict=True)]
+
+    def source(self, s: Session, n: int) -> StateSource:
+        if s.error:
+            raise FailedPrecondition(s.error)
+        if s.parent is None:
+            return StoreSource(self.store, s.id, self.fingerprint)
+        parent = StoreSource(self.store, s.parent, self.fingerprint)
+        own = StoreSource(self.store, s.id, self.fingerprint) if n > s.base else None
+        return SharedSource(parent, own, s.base)
+
+    def plan(
+        self, s: Session, n: int, profile: Profile, method: Method | None, cap_gbps: float | None
+    ) -> tuple[Plan, float | None]:
+        """The plan for restoring `n` tokens of `s`, and its predicted ms (auto only)."""
+        L = self.model.cfg.num_layers
+        stored = self.stored(s, n)
+        if method == Method.RECOMPUTE:
+            return Plan.uniform(L, method), None
+        if method is not None:
+            kind = Kind.HIDDEN if method == Method.HIDDEN else Kind.KV
+            missing = [i for i, ks in enumerate(stored) if kind not in ks]
+            if missing:
+                raise FailedPrecondition(
+                    f"{s.kind} {s.id} does not store {method.value} state for layers {missing[:8]}"
+                    f"{'...' if len(missing) > 8 else ''}; it stores per layer {encode_layer_kinds(list(stored))}"
+                )
+            return Plan.uniform(L, method), None
+        geom = Geometry.of(self.model.cfg, torch.finfo(self.model.dtype).bits // 8)
+        res: PlannedRestore = partition_stored(geom, profile, n, stored, cap_gbps)
+        return res.plan, res.makespan_ms
+
+
+def check_tokens(ids: list[int], vocab: int) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise InvalidArgument(f"token ids outside the vocabulary (0..{vocab - 1}): {bad[:5]}")

@@ -1,0 +1,116 @@
+"""`hcache serve`: model, store, profile and engine behind a gRPC server with
+standard health checking and reflection. SIGTERM (or SIGINT) drains: health goes
+NOT_SERVING, new requests get UNAVAILABLE, running turns finish (and become
+durable), then the server stops."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from hcache.config import Config
+from hcache.engine.engine import Engine
+from hcache.model.loader import LoadedModel, load
+from hcache.restore import profiler
+from hcache.restore.profile import Profile
+from hcache.server.servicer import Servicer
+from hcache.storage.store import ChunkStore, StorageConfig
+from hcache.v1 import hcache_pb2 as pb
+from hcache.v1 import hcache_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+SERVICE = pb.DESCRIPTOR.services_by_name["HCache"].full_name
+
+
+@dataclass
+class Running:
+    server: grpc.Server
+    engine: Engine
+    store: ChunkStore
+    health: health.HealthServicer
+    port: int
+    cfg: Config
+    stopped: threading.Event
+
+    def stop(self, drain_seconds: float | None = None) -> None:
+        """Drain, then shut everything down (idempotent)."""
+        if self.stopped.is_set():
+            return
+        grace = self.cfg.server.drain_seconds if drain_seconds is None else drain_seconds
+        self.health.enter_graceful_shutdown()
+        finished = self.engine.drain(grace)
+        if not finished:
+            log.warning("drain timed out after %.0f s; stopping with turns still running", grace)
+        self.server.stop(grace=1.0).wait()
+        self.engine.close()
+        self.store.close()
+        self.stopped.set()
+
+
+def build_engine(
+    cfg: Config, profile: Profile | None = None, loaded: LoadedModel | None = None
+) -> tuple[Engine, ChunkStore]:
+    loaded = loaded or load(cfg.model, cfg.dtype, cfg.device)
+    if loaded.tokenizer is None:
+        raise ValueError(f"{loaded.source} has no tokenizer; hcache serve needs one")
+    dirs = [Path(d) for d in cfg.storage_dirs]
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+    if profile is None:
+        profile = profiler.load_or_run(loaded.model, dirs, Path(cfg.profile_dir))
+    store = ChunkStore(StorageConfig([str(d) for d in dirs]), loaded.model.cfg, loaded.model.dtype, cfg.device)
+    try:
+        engine = Engine(loaded.model, loaded.tokenizer, store, profile, cfg.engine, model_name=str(loaded.source.name))
+    except Exception:
+        store.close()
+        raise
+    return engine, store
+
+
+def start(cfg: Config, profile: Profile | None = None, loaded: LoadedModel | None = None) -> Running:
+    engine, store = build_engine(cfg, profile, loaded)
+    s = cfg.server
+    opts = [
+        ("grpc.max_receive_message_length", s.max_message_bytes),
+        ("grpc.max_send_message_length", s.max_message_bytes),
+    ]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=s.workers), options=opts)
+    pb_grpc.add_HCacheServicer_to_server(Servicer(engine), server)
+    hs = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{s.host}:{s.port}")
+    if port == 0:
+        engine.close()
+        store.close()
+        raise OSError(f"cannot listen on {s.host}:{s.port}")
+    server.start()
+    for name in ("", SERVICE):
+        hs.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("hcache serving %s on %s:%d", engine.model_name, s.host, port)
+    return Running(server, engine, store, hs, port, cfg, threading.Event())
+
+
+def serve(cfg: Config, profile: Profile | None = None) -> int:
+    run = start(cfg, profile)
+    done = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("signal %d: draining", signum)
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"hcache: serving {run.engine.model_name} on {cfg.server.host}:{run.port}", flush=True)
+    done.wait()
+    run.stop()
+    print("hcache: stopped", flush=True)
+    return 0

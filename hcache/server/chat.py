@@ -1,0 +1,77 @@
+"""`hcache chat`: a terminal client. Streams replies; /restore [method], /evict,
+/stats, /session and /quit are commands."""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+import grpc
+
+from hcache.client import METHODS, Client
+
+HELP = "commands: /restore [auto|hidden|kv|recompute]  /evict  /session  /stats  /help  /quit"
+
+
+def run(target: str, session_id: str | None, system_prompt: str, max_new_tokens: int, out: TextIO = sys.stdout) -> int:
+    with Client(target) as c:
+        try:
+            sid = session_id or c.create_session(system_prompt).session_id
+        except grpc.RpcError as e:
+            print(f"hcache: error: {e.details()} ({e.code().name})", file=sys.stderr)
+            return 2
+        print(f"session {sid}  ({HELP})", file=out, flush=True)
+        for line in sys.stdin:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                if not _command(c, sid, line, max_new_tokens, out):
+                    return 0
+            except grpc.RpcError as e:
+                print(f"error: {e.details()} ({e.code().name})", file=out, flush=True)
+    return 0
+
+
+def _command(c: Client, sid: str, line: str, max_new_tokens: int, out: TextIO) -> bool:
+    word, _, arg = line.partition(" ")
+    if word in ("/quit", "/exit"):
+        return False
+    if word == "/help":
+        print(HELP, file=out)
+    elif word == "/restore":
+        method = arg.strip() or "auto"
+        if method not in METHODS:
+            print(f"unknown method {method!r}; one of {', '.join(METHODS)}", file=out)
+            return True
+        r = c.restore(sid, method)
+        if r.already_resident:
+            print("already resident", file=out)
+        else:
+            p = r.plan
+            print(
+                f"restored {r.num_tokens} tokens in {r.restore_ms:.1f} ms by RE {p.recompute} / H {p.hidden} / "
+                f"KV {p.kv} ({r.bytes_read / 1e6:.1f} MB read)",
+                file=out,
+            )
+    elif word == "/evict":
+        s = c.evict(sid)
+        print(f"evicted; {s.num_tokens} tokens stay in storage", file=out)
+    elif word == "/session":
+        print(c.get(sid), file=out)
+    elif word == "/stats":
+        print(c.stats(), file=out)
+    elif word.startswith("/"):
+        print(f"unknown command {word}; {HELP}", file=out)
+    else:
+        last = None
+        for r in c.generate(sid, line, max_new_tokens=max_new_tokens):
+            if r.finished:
+                last = r
+            else:
+                print(r.text, end="", file=out, flush=True)
+        if last is not None:
+            st = last.stats
+            how = f"restored in {st.restore_ms:.0f} ms, " if st.restore_ms else ""
+            print(f"\n  [{how}ttft {st.ttft_ms:.0f} ms, {st.completion_tokens} tokens]", file=out, flush=True)
+    return True

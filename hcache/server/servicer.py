@@ -1,0 +1,222 @@
+"""The gRPC servicer: a thin translation between protobuf messages and the engine.
+Engine errors become status codes with their message; nothing else leaks out."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import empty_pb2
+
+from hcache.engine.engine import Engine
+from hcache.engine.errors import EngineError, InvalidArgument
+from hcache.engine.sampler import SamplingParams
+from hcache.engine.sequence import Session
+from hcache.restore.plan import Method
+from hcache.storage.errors import StorageError, StorageFull, UnknownOwner
+from hcache.v1 import hcache_pb2 as pb
+from hcache.v1 import hcache_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+METHODS = {
+    pb.RESTORE_METHOD_AUTO: None,
+    pb.RESTORE_METHOD_HIDDEN: Method.HIDDEN,
+    pb.RESTORE_METHOD_KV: Method.KV,
+    pb.RESTORE_METHOD_RECOMPUTE: Method.RECOMPUTE,
+}
+MAX_PAGE = 1000
+
+
+def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(e, EngineError):
+        return getattr(grpc.StatusCode, e.code), str(e)
+    if isinstance(e, UnknownOwner):
+        return grpc.StatusCode.NOT_FOUND, str(e)
+    if isinstance(e, StorageFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+    if isinstance(e, StorageError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(e)
+    return grpc.StatusCode.INTERNAL, "internal error; see the server log"
+
+
+def _abort(context: grpc.ServicerContext, e: Exception) -> None:
+    code, msg = status_of(e)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("internal error", exc_info=e)
+    context.abort(code, msg)
+
+
+def rpc(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapped(self: Servicer, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(self, request, context)
+        except Exception as e:
+            _abort(context, e)  # raises: grpc ends the call with the status
+
+    return wrapped  # type: ignore[return-value]
+
+
+def session_pb(s: Session) -> pb.Session:
+    plan = s.last_plan.counts() if s.last_plan else {}
+    return pb.Session(
+        session_id=s.id,
+        num_tokens=len(s.tokens),
+        resident=s.resident,
+        labels=s.labels,
+        context_ids=s.context_ids,
+        turns=s.turns,
+        busy=s.busy,
+        last_plan=_plan_pb(plan, "".join(m.short[0] for m in s.last_plan.methods) if s.last_plan else ""),
+        last_restore_ms=s.last_restore_ms,
+        created_unix=s.created,
+        updated_unix=s.updated,
+    )
+
+
+def _plan_pb(counts: dict[str, int], layers: str) -> pb.Plan:
+    return pb.Plan(
+        recompute=counts.get("recompute", 0), hidden=counts.get("hidden", 0), kv=counts.get("kv", 0), layers=layers
+    )
+
+
+def sampling_of(req: pb.GenerateRequest, default_max: int) -> tuple[SamplingParams, list[str]]:
+    s = req.sampling
+    for name in ("temperature", "top_p"):
+        v = getattr(s, name)
+        if not math.isfinite(v):
+            raise InvalidArgument(f"sampling.{name} must be a finite number")
+    params = SamplingParams(
+        max_new_tokens=s.max_new_tokens or default_max,
+        temperature=s.temperature,
+        top_p=s.top_p or 1.0,
+        top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None,
+    )
+    return params, list(s.stop)
+
+
+class Servicer(pb_grpc.HCacheServicer):
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    @rpc
+    def CreateSession(self, request: pb.CreateSessionRequest, context: grpc.ServicerContext) -> pb.Session:
+        s = self.engine.create_session(request.system_prompt, list(request.context_ids), dict(request.labels))
+        return session_pb(s)
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        try:
+            params, stops = sampling_of(request, self.engine.cfg.default_max_new_tokens)
+            seq = self.engine.generate(request.session_id, request.message, list(request.token_ids), params, stops)
+        except Exception as e:
+            _abort(context, e)
+            return
+        context.add_callback(lambda: self.engine.cancel(seq))  # runs when the client goes away, too
+        try:
+            for ev in self.engine.stream(seq):
+                if ev.finished:
+                    st = ev.stats or {}
+                    yield pb.GenerateResponse(
+                        finished=True,
+                        finish_reason=ev.finish_reason,
+                        stats=pb.GenerateStats(
+                            restore_ms=st.get("restore_ms", 0.0),
+                            prefill_ms=st.get("prefill_ms", 0.0),
+                            ttft_ms=st.get("ttft_ms", 0.0),
+                            plan=_plan_pb(st.get("plan", {}), st.get("layers", "")),
+                            prompt_tokens=st.get("prompt_tokens", 0),
+                            cached_tokens=st.get("cached_tokens", 0),
+                            completion_tokens=st.get("completion_tokens", 0),
+                            queue_ms=st.get("queue_ms", 0.0),
+                            decode_ms=st.get("decode_ms", 0.0),
+                            bytes_read=st.get("bytes_read", 0),
+                            fallback_layers=st.get("fallback_layers", 0),
+                        ),
+                    )
+                else:
+                    yield pb.GenerateResponse(text=ev.text, token_ids=ev.token_ids)
+        except Exception as e:
+            _abort(context, e)
+
+    @rpc
+    def RestoreSession(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.RestoreResponse:
+        if request.method not in METHODS:
+            raise InvalidArgument(f"unknown restore method {request.method}")
+        r = self.engine.restore(request.session_id, METHODS[request.method])
+        return pb.RestoreResponse(
+            restore_ms=r.get("restore_ms", 0.0),
+            plan=_plan_pb(r.get("plan", {}), r.get("layers", "")),
+            bytes_read=r.get("bytes_read", 0),
+            predicted_ms=r.get("predicted_ms", 0.0),
+            num_tokens=r.get("num_tokens", 0),
+            fallback_layers=r.get("fallback_layers", 0),
+            already_resident=r.get("already_resident", False),
+        )
+
+    @rpc
+    def EvictSession(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.Session:
+        return session_pb(self.engine.evict(request.session_id))
+
+    @rpc
+    def DeleteSession(self, request: pb.SessionRef, context: grpc.ServicerContext) -> empty_pb2.Empty:
+        self.engine.delete(request.session_id)
+        return empty_pb2.Empty()
+
+    @rpc
+    def GetSession(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.Session:
+        return session_pb(self.engine.get(request.session_id))
+
+    @rpc
+    def ListSessions(self, request: pb.ListSessionsRequest, context: grpc.ServicerContext) -> pb.ListSessionsResponse:
+        size = min(request.page_size or 100, MAX_PAGE)
+        sessions = self.engine.list()
+        # the page token is the last id of the previous page: stable while sessions come and go
+        rest = [s for s in sessions if s.id > request.page_token] if request.page_token else sessions
+        page = rest[:size]
+        more = len(rest) > size
+        return pb.ListSessionsResponse(
+            sessions=[session_pb(s) for s in page], next_page_token=page[-1].id if more else ""
+        )
+
+    @rpc
+    def PrecomputeContext(self, request: pb.PrecomputeContextRequest, context: grpc.ServicerContext) -> pb.Context:
+        c = self.engine.precompute_context(request.text, list(request.token_ids), dict(request.labels))
+        return pb.Context(context_id=c.id, num_tokens=len(c.tokens), labels=c.labels)
+
+    @rpc
+    def GetStats(self, request: empty_pb2.Empty, context: grpc.ServicerContext) -> pb.Stats:
+        e = self.engine
+        st = e.store.stats
+        sessions = e.list()
+        return pb.Stats(
+            sessions=len(sessions),
+            resident_sessions=sum(s.resident for s in sessions),
+            resident_bytes=e.resident_bytes(),
+            budget_bytes=e.pool.num_blocks * e.pool.bytes_per_block(e.model.cfg, e.model.dtype),
+            contexts=len(e.list("context")),
+            queue_depth=e.queue_depth(),
+            evictions=e.counters.evictions,
+            restores=e.counters.restores,
+            fallback_layers=e.counters.fallback_layers,
+            checksum_failures=st.checksum_failures,
+            bytes_read=st.bytes_read,
+            dirs=[
+                pb.DirStats(
+                    path=u.path,
+                    used_bytes=u.used_bytes,
+                    free_bytes=u.fs_free_bytes,
+                    bytes_written=u.bytes_written,
+                    chunks=u.chunks,
+                )
+                for u in e.store.usage()
+            ],
+            generated_tokens=e.counters.generated_tokens,
+            model=e.model_name,
+            draining=e.draining,
+        )

@@ -1,0 +1,58 @@
+"""An engine over a tiny random model (token turns) or the default model, on a temp store,
+and the single-sequence reference it must match."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer as Backend
+from tokenizers import models, pre_tokenizers
+
+from hcache.config import EngineConfig
+from hcache.engine.engine import Engine
+from hcache.engine.generate import generate
+from hcache.engine.sampler import SamplingParams
+from hcache.model.attention import KVCache
+from hcache.model.base import DecoderModel
+from hcache.model.tokenizer import Tokenizer
+from hcache.restore.profile import Geometry, Profile
+from hcache.storage.store import ChunkStore, StorageConfig
+
+
+def word_tokenizer(vocab: int) -> Tokenizer:
+    """Token i is the word `t<i>`; no chat template (token turns only)."""
+    backend = Backend(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(backend, None, None, None, stop_ids=set())
+
+
+def profile_for(model: DecoderModel) -> Profile:
+    return Profile.hypothetical(Geometry.of(model.cfg, torch.finfo(model.dtype).bits // 8), 0.2, 1.0)
+
+
+def make_engine(
+    model: DecoderModel, tok: Tokenizer, dirs: list[Path], **cfg: object
+) -> tuple[Engine, ChunkStore]:
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+    store = ChunkStore(StorageConfig([str(d) for d in dirs]), model.cfg, model.dtype)
+    ecfg = EngineConfig(**{"store_kinds": "both", "kv_budget_bytes": 64 << 20, **cfg})  # type: ignore[arg-type]
+    return Engine(model, tok, store, profile_for(model), ecfg), store
+
+
+def reference(model: DecoderModel, ids: list[int], params: SamplingParams, stop_ids: set[int]) -> list[int]:
+    """Never-evicted single-sequence generation over the whole history `ids`."""
+    cache = KVCache(model.cfg, model.dtype, model.device)
+    return list(generate(model, cache, ids, params, stop_ids))
+
+
+def turn(engine: Engine, sid: str, **kw: object) -> tuple[list[int], dict]:
+    seq = engine.generate(sid, **kw)  # type: ignore[arg-type]
+    ids: list[int] = []
+    stats: dict = {}
+    for ev in engine.stream(seq):
+        ids += ev.token_ids
+        if ev.finished:
+            stats = ev.stats or {}
+    return ids, stats
