@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from engine_helpers import make_engine, reference, turn, word_tokenizer
+
 from hcache.engine.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from hcache.engine.sampler import SamplingParams
 from hcache.model.loader import load
