@@ -1,0 +1,104 @@
+"""`hcache serve` as a process: `hcache chat` against it, and SIGTERM draining (a running
+turn finishes and is durable, new requests get UNAVAILABLE, the process exits 0)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine_helpers import profile_for
+from hcache.client import Client
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def served(tmp_path, default_model):
+    prof = tmp_path / "profile.json"
+    profile_for(default_model.model).save(prof)
+    port = free_port()
+    env = {**os.environ, "HCACHE_HOME": str(tmp_path / "home")}
+    cmd = [sys.executable, "-m", "hcache.cli", "serve", "--port", str(port), "--profile", str(prof)]
+    cmd += ["--dirs", str(tmp_path / "d0"), str(tmp_path / "d1"), "--kv-budget-mb", "256"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    target = f"127.0.0.1:{port}"
+    with grpc.insecure_channel(target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                    break
+            except grpc.RpcError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start:\n{proc.stdout.read() if proc.stdout else ''}")
+            time.sleep(0.3)
+    yield proc, target
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def test_chat_client_streams_and_restores(served):
+    _, target = served
+    script = "What is 2+2?\n/evict\n/restore kv\n/restore recompute\nAnd 3+3?\n/bogus\n/quit\n"
+    out = subprocess.run(
+        [sys.executable, "-m", "hcache.cli", "chat", "--target", target, "--max-new-tokens", "12"],
+        input=script,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "evicted" in out.stdout and "by RE 0 / H 0 / KV 30" in out.stdout and "by RE 30 / H 0 / KV 0" in out.stdout
+    assert "unknown command /bogus" in out.stdout and out.stdout.count("ttft") == 2
+
+
+def test_chat_client_reports_unreachable_server():
+    out = subprocess.run(
+        [sys.executable, "-m", "hcache.cli", "chat", "--target", f"127.0.0.1:{free_port()}"],
+        input="",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "hcache: error:" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_sigterm_drains(served):
+    proc, target = served
+    with Client(target) as c:
+        sid = c.create_session().session_id
+        stream = c.generate(sid, "Count from one to fifty in words.", max_new_tokens=60)
+        first = next(stream)
+        assert first.token_ids
+        proc.send_signal(signal.SIGTERM)
+        refused = None
+        for _ in range(100):
+            try:
+                c.create_session()
+            except grpc.RpcError as e:
+                refused = e.code()
+                break
+            time.sleep(0.05)
+        assert refused == grpc.StatusCode.UNAVAILABLE
+        rest = list(stream)  # the running turn completes
+        assert rest[-1].finished and rest[-1].finish_reason in ("stop", "length")
+        n = len(first.token_ids) + sum(len(r.token_ids) for r in rest)
+        assert n == rest[-1].stats.completion_tokens
+    assert proc.wait(timeout=60) == 0
