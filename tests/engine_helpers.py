@@ -31,9 +31,7 @@ def profile_for(model: DecoderModel) -> Profile:
     return Profile.hypothetical(Geometry.of(model.cfg, torch.finfo(model.dtype).bits // 8), 0.2, 1.0)
 
 
-def make_engine(
-    model: DecoderModel, tok: Tokenizer, dirs: list[Path], **cfg: object
-) -> tuple[Engine, ChunkStore]:
+def make_engine(model: DecoderModel, tok: Tokenizer, dirs: list[Path], **cfg: object) -> tuple[Engine, ChunkStore]:
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
     store = ChunkStore(StorageConfig([str(d) for d in dirs]), model.cfg, model.dtype)

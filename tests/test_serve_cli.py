@@ -12,9 +12,9 @@ import time
 
 import grpc
 import pytest
+from engine_helpers import profile_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine_helpers import profile_for
 from hcache.client import Client
 
 pytestmark = pytest.mark.slow

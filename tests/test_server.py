@@ -9,10 +9,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from engine_helpers import profile_for, reference
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from engine_helpers import profile_for, reference
 from hcache.client import Client
 from hcache.config import Config, EngineConfig, ServerConfig
 from hcache.engine.generate import ChatSession
@@ -184,8 +184,9 @@ def test_list_delete_stats_health_reflection(client, server):
     seen, pages = [], 0
     token = ""
     while True:
-        r = client.stub.ListSessions(__import__("hcache.v1.hcache_pb2", fromlist=["x"]).ListSessionsRequest(
-            page_size=2, page_token=token))
+        r = client.stub.ListSessions(
+            __import__("hcache.v1.hcache_pb2", fromlist=["x"]).ListSessionsRequest(page_size=2, page_token=token)
+        )
         seen += [s.session_id for s in r.sessions]
         pages += 1
         token = r.next_page_token
