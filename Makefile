@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip
 PIN    := -c requirements/constraints.txt
 ARGS   ?=
 
-.PHONY: demo test lint clean
+.PHONY: serve chat demo test lint proto bench-serve clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -22,8 +22,23 @@ $(VENV)/.test: $(VENV)/.runtime
 	$(PIP) install -q $(PIN) -e '.[test]'
 	touch $@
 
+# The service: default model, default store ($$HCACHE_HOME/store), gRPC on 127.0.0.1:50051.
+# The first start profiles this machine for the restore planner (about a minute), then reuses it.
+serve: $(VENV)/.runtime
+	$(VENV)/bin/hcache serve $(ARGS)
+
+chat: $(VENV)/.runtime
+	$(VENV)/bin/hcache chat $(ARGS)
+
 demo: $(VENV)/.runtime
 	$(VENV)/bin/hcache demo $(ARGS)
+
+# Regenerate the gRPC stubs in hcache/v1 (committed; a test checks they match the proto).
+proto: $(VENV)/.test
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/hcache/v1/hcache.proto
+
+bench-serve: $(VENV)/.runtime
+	$(PY) bench/serve.py $(ARGS)
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check hcache tests

@@ -53,14 +53,20 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch", type=int, default=32)
     serve.add_argument("--sequential", action="store_true", help="restore fully before prefill (no fusing)")
     serve.add_argument("--read-cap-mbps", type=float, default=0.0)
+    serve.add_argument(
+        "--restore-method",
+        default="auto",
+        choices=["auto", "kv", "hidden", "recompute"],
+        help="force how Generate restores evicted sessions (benchmarks)",
+    )
     serve.add_argument("--drain-seconds", type=float, default=30.0)
     chat = sub.add_parser("chat", help="terminal chat client (/restore, /evict, /stats)")
     chat.add_argument("--target", default="localhost:50051")
     chat.add_argument("--session", help="continue this session instead of creating one")
     chat.add_argument("--system", default="", help="system prompt of a new session")
     chat.add_argument("--max-new-tokens", type=int, default=256)
-    bench = sub.add_parser("bench", help="benchmarks (storage, restore)")
-    bench.add_argument("what", choices=["storage", "restore"])
+    bench = sub.add_parser("bench", help="benchmarks (storage, restore, engine, serve)")
+    bench.add_argument("what", choices=["storage", "restore", "engine", "serve"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
     return ap
 
@@ -118,7 +124,7 @@ def _serve(cfg: Config, args: argparse.Namespace) -> int:
     cfg.server.host, cfg.server.port, cfg.server.drain_seconds = args.host, args.port, args.drain_seconds
     e = cfg.engine
     e.kv_budget_bytes, e.store_kinds, e.max_batch = args.kv_budget_mb << 20, args.store_kinds, args.max_batch
-    e.fused, e.read_cap_mbps = not args.sequential, args.read_cap_mbps
+    e.fused, e.read_cap_mbps, e.restore_method = not args.sequential, args.read_cap_mbps, args.restore_method
     profile = Profile.load(Path(args.profile)) if args.profile else None
     return app.serve(cfg, profile)
 

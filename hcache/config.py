@@ -156,6 +156,7 @@ class EngineConfig:
     store_kinds: str = "auto"  # per layer: auto (the planner's choice) | kv | hidden | both
     plan_tokens: int = 4096  # the session length the storage choice is planned for
     read_cap_mbps: float = 0.0  # restore read cap (0: none)
+    restore_method: str = "auto"  # what Generate restores by: auto | kv | hidden | recompute (benchmarks)
 
 
 @dataclass

@@ -61,6 +61,8 @@ class Engine:
         self.model, self.tok, self.store, self.profile = model, tokenizer, store, profile
         self.cfg = cfg or EngineConfig()
         self.model_name = model_name
+        if self.cfg.restore_method != "auto":
+            Method(self.cfg.restore_method)  # fail at start, not at the first restore
         per_block = BlockPool.bytes_per_block(model.cfg, model.dtype)
         self.pool = BlockPool(model.cfg, model.dtype, model.device, max(1, self.cfg.kv_budget_bytes // per_block))
         kinds = layer_kinds_for(self.cfg.store_kinds, model, profile, self.cfg.plan_tokens)
@@ -154,6 +156,8 @@ class Engine:
                 raise FailedPrecondition(f"session {session_id} no longer starts with its context")
             seq = self._sequence(s, ids[keep:], keep, params, stops, sample=True)
             seq.user_message = message or None
+            if self.cfg.restore_method != "auto":
+                seq.restore_method = Method(self.cfg.restore_method)
             s.mode = mode
             s.busy = True
         self._submit(seq)
@@ -259,7 +263,8 @@ class Engine:
     def _sequence(
         self, s: Session, new: list[int], keep: int, params: SamplingParams, stops: list[str], sample: bool
     ) -> Sequence:
-        seq = Sequence(s, new, keep, params, stops, set(self.tok.stop_ids), self.model.cfg.max_position, sample=sample)
+        stop_ids = set() if params.ignore_eos else set(self.tok.stop_ids)
+        seq = Sequence(s, new, keep, params, stops, stop_ids, self.model.cfg.max_position, sample=sample)
         seq.text = TextStream(self.tok.decode, stops)
         seq.prev_mode = s.mode
         return seq
@@ -406,8 +411,11 @@ class Engine:
                     self._fail(seq, e if isinstance(e, EngineError) else EngineError(f"prefill failed: {e}"))
                     worked = True
                     break
-                if not did:
-                    break  # storage is behind: let the next job (or a decode step) run
+                if not did:  # storage is behind: let the next job or a decode step run
+                    if not self.decoding and seq.job is not None:
+                        seq.job.wait_storage(0.005)  # nothing else to run: block on the read a moment
+                        worked = True
+                    break
                 worked = True
                 budget -= 1
                 if seq.phase == Phase.RESTORING and seq.job is not None and seq.job.report.restore_ms:

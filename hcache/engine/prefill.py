@@ -59,6 +59,12 @@ class PrefillJob:
         self.report = PrefillReport(ms_by_method=dict.fromkeys((m.value for m in Method), 0.0))
         self.last_hidden: torch.Tensor | None = None  # final-norm hidden of the last new token
         self._recomputed = 0
+        self.waiting_on: int | None = None  # the layer whose stored state is not in yet
+
+    def wait_storage(self, timeout: float) -> None:
+        """Block (at most `timeout` s) until the layer the job waits for is readable."""
+        if self.waiting_on is not None and self.source is not None:
+            self.source.wait(self.waiting_on, timeout)
 
     # --- the old tokens' KV --------------------------------------------------
     def _recompute_upto(self, n_layers: int) -> None:
@@ -86,7 +92,9 @@ class PrefillJob:
             return
         while not self.source.ready(layer):
             t = time.perf_counter()
+            self.waiting_on = layer
             yield False
+            self.waiting_on = None
             self.report.wait_ms += (time.perf_counter() - t) * 1e3
         t1 = time.perf_counter()
         try:

@@ -14,6 +14,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 means no limit
     seed: int | None = None
+    ignore_eos: bool = False  # benchmarks: run to max_new_tokens
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:

@@ -58,6 +58,9 @@ class SharedSource(StateSource):
     def ready(self, layer: int) -> bool:
         return all(s.ready(layer) for s in self._parts())
 
+    def wait(self, layer: int, timeout: float) -> bool:
+        return all(s.wait(layer, timeout) for s in self._parts())
+
     def hidden(self, layer: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         parts = [s.hidden(layer) for s in self._parts()]
         return torch.cat(parts) if len(parts) > 1 else parts[0]

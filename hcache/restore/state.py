@@ -28,6 +28,10 @@ class StateSource(ABC):
         """Is what `layer` needs under the prepared plan already here? (Never blocks.)"""
         return True
 
+    def wait(self, layer: int, timeout: float) -> bool:
+        """Block until `ready(layer)` or `timeout` seconds; returns `ready(layer)`."""
+        return self.ready(layer)
+
     def release(self, layer: int) -> None:  # noqa: B027 - optional hook
         """The restorer is done with what `hidden(layer)` / `kv(layer)` returned."""
 

@@ -240,6 +240,9 @@ class OwnerReader:
         self._issue()
         return slot.ready.is_set()
 
+    def wait(self, layer: int, kind: Kind | None, timeout: float) -> bool:
+        return self._slot(layer, kind).ready.wait(timeout)
+
     def release(self, layer: int, kind: Kind | None = None) -> None:
         """The caller is done with `get`'s tensor: its memory serves the next read."""
         for (lay, k), slot in self.slots.items():

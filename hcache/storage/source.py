@@ -79,6 +79,12 @@ class StoreSource(StateSource):
         kinds = [k for (lay, k) in self._ranges if lay == layer]
         return all(self.reader.ready(layer, k) for k in kinds)
 
+    def wait(self, layer: int, timeout: float) -> bool:
+        if self.reader is not None:
+            for k in [k for (lay, k) in self._ranges if lay == layer]:
+                self.reader.wait(layer, k, timeout)
+        return self.ready(layer)
+
     def release(self, layer: int) -> None:
         if self.reader is not None:
             self.reader.release(layer)
