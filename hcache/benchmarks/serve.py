@@ -1,0 +1,255 @@
+"""Serving benchmark: a multi-turn chat trace against `hcache serve` over gRPC.
+
+ShareGPT-like and seeded: sessions arrive as a Poisson process; each opens with a
+document-sized first message, then takes a few shorter turns with exponential think
+time in between; message and reply lengths are drawn from log-normal distributions.
+The resident KV budget holds only a few sessions, so most turns find their session
+evicted and restore it. The same trace runs once per restore method (auto, forced KV,
+forced RE), each against a fresh server on fresh storage. Reported: TTFT and TBT
+p50/p99 (client-side), the server's restore time, sessions/s. JSON and a plot in
+bench/results/."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from hcache.benchmarks import report
+from hcache.client import Client
+
+WORDS = (  # noqa: SIM905 - a word list reads better as text
+    "the river city bridge stone light market winter garden letter music harbor story mountain "
+    "engine paper window morning village road forest lantern ship train clock island summer tower "
+    "field school friend table doctor number silver painting kitchen history question answer"
+).split()
+
+
+@dataclass
+class Turn:
+    message: str
+    max_new: int
+
+
+@dataclass
+class SessionPlan:
+    arrival_s: float
+    turns: list[Turn]
+    think_s: list[float]
+
+
+@dataclass
+class Result:
+    ttft_ms: list[float] = field(default_factory=list)
+    tbt_ms: list[float] = field(default_factory=list)
+    restore_ms: list[float] = field(default_factory=list)
+    turns: int = 0
+    restored_turns: int = 0
+    errors: list[str] = field(default_factory=list)
+    sessions_done: int = 0
+    wall_s: float = 0.0
+
+
+def make_trace(args: argparse.Namespace) -> list[SessionPlan]:
+    rng = random.Random(args.seed)
+    t, out = 0.0, []
+    for _ in range(args.sessions):
+        t += rng.expovariate(args.rate)
+        n_turns = rng.randint(args.min_turns, args.max_turns)
+        turns = []
+        for i in range(n_turns):
+            mean = args.doc_words if i == 0 else args.msg_words
+            words = max(3, int(rng.lognormvariate(math.log(mean), 0.5)))
+            text = " ".join(rng.choice(WORDS) for _ in range(words))
+            text = f"Read this and remember it: {text}. What is it about?" if i == 0 else f"{text}?"
+            turns.append(Turn(text, max(4, min(args.max_reply, int(rng.lognormvariate(math.log(args.reply), 0.6))))))
+        out.append(SessionPlan(t, turns, [rng.expovariate(1 / args.think_s) for _ in turns]))
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace, method: str, root: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    dirs = [root / f"d{i}" for i in range(args.dirs)]
+    cmd = [sys.executable, "-m", "hcache.cli", "serve", "--port", str(port), "--dtype", args.dtype]
+    cmd += ["--dirs", *map(str, dirs), "--kv-budget-mb", str(args.budget_mb), "--restore-method", method]
+    cmd += ["--store-kinds", "auto"] + (["--profile", args.profile] if args.profile else [])
+    log = open(root / "server.log", "w")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    target = f"127.0.0.1:{port}"
+    with grpc.insecure_channel(target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        deadline = time.monotonic() + 600  # the first start may profile the machine
+        while True:
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                    return proc, target
+            except grpc.RpcError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start; see {root / 'server.log'}")
+            time.sleep(0.5)
+
+
+def run_trace(target: str, trace: list[SessionPlan], seed: int) -> Result:
+    res = Result()
+    lock = threading.Lock()
+    t0 = time.perf_counter()
+
+    def one(plan: SessionPlan) -> None:
+        time.sleep(max(0.0, plan.arrival_s - (time.perf_counter() - t0)))
+        with Client(target) as c:
+            try:
+                sid = c.create_session("You are a helpful assistant.").session_id
+                for turn, think in zip(plan.turns, plan.think_s, strict=True):
+                    start = time.perf_counter()
+                    stamps, last = [], None
+                    for r in c.generate(sid, turn.message, max_new_tokens=turn.max_new, seed=seed):
+                        if r.finished:
+                            last = r
+                        else:
+                            stamps.append(time.perf_counter())
+                    assert last is not None and stamps
+                    with lock:
+                        res.turns += 1
+                        res.ttft_ms.append((stamps[0] - start) * 1e3)
+                        res.tbt_ms += [(b - a) * 1e3 for a, b in itertools.pairwise(stamps)]
+                        if last.stats.restore_ms:
+                            res.restored_turns += 1
+                            res.restore_ms.append(last.stats.restore_ms)
+                    time.sleep(think)
+                with lock:
+                    res.sessions_done += 1
+            except grpc.RpcError as e:
+                with lock:
+                    res.errors.append(f"{e.code().name}: {e.details()}")
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in trace]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    res.wall_s = time.perf_counter() - t0
+    return res
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def summarize(method: str, r: Result) -> dict:
+    return {
+        "method": method,
+        "turns": r.turns,
+        "restored_turns": r.restored_turns,
+        "errors": r.errors,
+        "ttft_p50_ms": _pct(r.ttft_ms, 0.5),
+        "ttft_p99_ms": _pct(r.ttft_ms, 0.99),
+        "tbt_p50_ms": _pct(r.tbt_ms, 0.5),
+        "tbt_p99_ms": _pct(r.tbt_ms, 0.99),
+        "restore_median_ms": statistics.median(r.restore_ms) if r.restore_ms else None,
+        "sessions_per_s": r.sessions_done / r.wall_s if r.wall_s else 0.0,
+        "wall_s": r.wall_s,
+        "ttft_ms": r.ttft_ms,
+        "tbt_ms": r.tbt_ms,
+    }
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for row in rows:
+        for ax, key in zip(axes, ("ttft_ms", "tbt_ms"), strict=True):
+            xs = sorted(row[key])
+            if xs:
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=row["method"])
+    for ax, title in zip(axes, ("TTFT", "time between tokens"), strict=True):
+        ax.set_xscale("log")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of turns" if title == "TTFT" else "fraction of tokens")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hcache bench serve", description=__doc__)
+    ap.add_argument("--methods", nargs="+", default=["auto", "kv", "recompute"])
+    ap.add_argument("--sessions", type=int, default=12)
+    ap.add_argument("--rate", type=float, default=0.3, help="session arrivals per second")
+    ap.add_argument("--min-turns", type=int, default=2)
+    ap.add_argument("--max-turns", type=int, default=4)
+    ap.add_argument("--doc-words", type=int, default=600, help="mean words of a session's first message")
+    ap.add_argument("--msg-words", type=int, default=25, help="mean words of later messages")
+    ap.add_argument("--reply", type=int, default=24, help="mean reply tokens")
+    ap.add_argument("--max-reply", type=int, default=64)
+    ap.add_argument("--think-s", type=float, default=3.0)
+    ap.add_argument("--budget-mb", type=int, default=48, help="resident KV budget of the server")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--dirs", type=int, default=2, help="storage directories (under --root)")
+    ap.add_argument("--root", default=None, help="where the stores go (default: a temp dir)")
+    ap.add_argument("--profile", help="profile JSON for the server (default: measured once and cached)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench/results/serve.json")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    trace = make_trace(args)
+    rows = []
+    for method in args.methods:
+        root = Path(tempfile.mkdtemp(prefix=f"hcache-serve-{method}-", dir=args.root))
+        proc, target = start_server(args, method, root)
+        try:
+            print(f"{method}: {len(trace)} sessions, {sum(len(p.turns) for p in trace)} turns ...", flush=True)
+            rows.append(summarize(method, run_trace(target, trace, args.seed)))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=120)
+            shutil.rmtree(root, ignore_errors=True)
+    base = next((r for r in rows if r["method"] == "auto"), rows[0])
+    for r in rows:
+        r["ttft_p50_vs_auto"] = r["ttft_p50_ms"] / base["ttft_p50_ms"]
+    png = Path(args.out).with_suffix(".png")
+    png.parent.mkdir(parents=True, exist_ok=True)
+    plot(rows, png)
+    data = {"args": vars(args), "rows": rows, "plot": str(png)}
+
+    def table() -> None:
+        hdr = f"{'method':10}{'turns':>6}{'restored':>9}{'TTFT p50':>10}{'p99':>9}{'TBT p50':>9}{'p99':>8}"
+        print(hdr + f"{'restore':>9}{'sess/s':>8}{'TTFT/auto':>10}{'errors':>7}")
+        for r in rows:
+            rest = r["restore_median_ms"]
+            print(
+                f"{r['method']:10}{r['turns']:>6}{r['restored_turns']:>9}{r['ttft_p50_ms']:>10.0f}"
+                f"{r['ttft_p99_ms']:>9.0f}{r['tbt_p50_ms']:>9.0f}{r['tbt_p99_ms']:>8.0f}"
+                f"{(f'{rest:.0f}' if rest else '-'):>9}{r['sessions_per_s']:>8.3f}{r['ttft_p50_vs_auto']:>10.2f}"
+                f"{len(r['errors']):>7}"
+            )
+        print(f"(ms; restore = the server's median restore time of restored turns; plot {png})")
+
+    return report(data, args.out, args.json, table)
