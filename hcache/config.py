@@ -163,7 +163,7 @@ class EngineConfig:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
-    http_port: int = 8000  # 0: no HTTP side port
+    http_port: int = 8000  # -1: no HTTP side port; 0: any free port
     workers: int = 64  # gRPC handler threads (one per open stream)
     max_message_bytes: int = 4 << 20
     drain_seconds: float = 30.0

@@ -33,7 +33,7 @@ def served(tmp_path, default_model):
     port = free_port()
     env = {**os.environ, "HCACHE_HOME": str(tmp_path / "home")}
     cmd = [sys.executable, "-m", "hcache.cli", "serve", "--port", str(port), "--profile", str(prof)]
-    cmd += ["--dirs", str(tmp_path / "d0"), str(tmp_path / "d1"), "--kv-budget-mb", "256"]
+    cmd += ["--dirs", str(tmp_path / "d0"), str(tmp_path / "d1"), "--kv-budget-mb", "256", "--http-port", "0"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     target = f"127.0.0.1:{port}"
     with grpc.insecure_channel(target) as ch:

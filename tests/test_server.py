@@ -29,7 +29,7 @@ def serve(loaded, dirs: list[Path], **engine: object) -> Running:
     cfg = Config(
         storage_dirs=[str(d) for d in dirs],
         engine=EngineConfig(**{"store_kinds": "both", "kv_budget_bytes": 256 << 20, **engine}),  # type: ignore[arg-type]
-        server=ServerConfig(port=0, drain_seconds=10),
+        server=ServerConfig(port=0, http_port=-1, drain_seconds=10),
     )
     return start(cfg, profile_for(loaded.model), loaded)
 

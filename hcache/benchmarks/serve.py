@@ -93,7 +93,7 @@ def start_server(args: argparse.Namespace, method: str, root: Path) -> tuple[sub
     dirs = [root / f"d{i}" for i in range(args.dirs)]
     cmd = [sys.executable, "-m", "hcache.cli", "serve", "--port", str(port), "--dtype", args.dtype]
     cmd += ["--dirs", *map(str, dirs), "--kv-budget-mb", str(args.budget_mb), "--restore-method", method]
-    cmd += ["--store-kinds", "auto"] + (["--profile", args.profile] if args.profile else [])
+    cmd += ["--store-kinds", "auto", "--http-port", "0"] + (["--profile", args.profile] if args.profile else [])
     log = open(root / "server.log", "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     target = f"127.0.0.1:{port}"

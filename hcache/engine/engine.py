@@ -14,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from hcache.engine.sampler import Sampler, SamplingParams
 from hcache.engine.saver import Saver, finish_decode
 from hcache.engine.sequence import Event, Phase, Sequence, Session, TextStream
 from hcache.engine.sessions import Registry, check_tokens, layer_kinds_for
+from hcache.engine.telemetry import Telemetry
 from hcache.model.base import DecoderModel
 from hcache.model.tokenizer import Tokenizer
 from hcache.restore.plan import Method
@@ -45,7 +46,6 @@ class Counters:
     restores: int = 0
     fallback_layers: int = 0
     generated_tokens: int = 0
-    restore_ms: list[tuple[str, str, float]] = field(default_factory=list)  # (method mix, plan, ms), drained by metrics
 
 
 class Engine:
@@ -57,10 +57,12 @@ class Engine:
         profile: Profile,
         cfg: EngineConfig | None = None,
         model_name: str = "",
+        telemetry: Telemetry | None = None,
     ):
         self.model, self.tok, self.store, self.profile = model, tokenizer, store, profile
         self.cfg = cfg or EngineConfig()
         self.model_name = model_name
+        self.telemetry = telemetry or Telemetry()
         if self.cfg.restore_method != "auto":
             Method(self.cfg.restore_method)  # fail at start, not at the first restore
         per_block = BlockPool.bytes_per_block(model.cfg, model.dtype)
@@ -241,6 +243,9 @@ class Engine:
         self._wake.set()
         self._thread.join()
         self._finisher.shutdown(wait=True)
+
+    def budget_bytes(self) -> int:
+        return self.pool.num_blocks * BlockPool.bytes_per_block(self.model.cfg, self.model.dtype)
 
     def resident_bytes(self) -> int:
         return (self.pool.num_blocks - self.pool.num_free) * BlockPool.bytes_per_block(self.model.cfg, self.model.dtype)
@@ -435,8 +440,8 @@ class Engine:
             s.last_plan, s.last_restore_ms = seq.plan, rep.restore_ms
             counts = seq.plan.counts()
             mix = "+".join(m.short for m in Method if counts[m.value])
-            self.counters.restore_ms.append((mix, str(seq.plan), rep.restore_ms))
-            del self.counters.restore_ms[:-1000]
+            plan = f"RE {counts['recompute']} / H {counts['hidden']} / KV {counts['kv']}"
+            self.telemetry.on_restore(mix, plan, rep.restore_ms)
         if seq.restore_only or not seq.sample:
             seq.result = self._restore_result(seq)
             self._finish(seq, "restored" if seq.restore_only else "stored")
@@ -444,6 +449,7 @@ class Engine:
         assert job.last_hidden is not None and seq.sampler is not None
         token = seq.sampler(self.model.logits(job.last_hidden)[0])
         seq.t_first = time.perf_counter()
+        self.telemetry.on_ttft((seq.t_first - seq.t_submit) * 1e3)
         seq.phase = Phase.DECODE
         self.decoding.append(seq)
         self._emit(seq, token)
@@ -478,6 +484,7 @@ class Engine:
             q.session.tokens.append(q.generated[-1])
             assert q.sampler is not None
             q.tbt_ms.append((now - q.t_last) * 1e3)
+            self.telemetry.on_tbt(q.tbt_ms[-1])
             self._emit(q, q.sampler(logits[i]))
         self.decoding = self.decoding[len(batch) :] + self.decoding[: len(batch)]  # round robin past max_batch
 

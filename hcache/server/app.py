@@ -18,9 +18,13 @@ from grpc_reflection.v1alpha import reflection
 
 from hcache.config import Config
 from hcache.engine.engine import Engine
+from hcache.engine.telemetry import Telemetry
 from hcache.model.loader import LoadedModel, load
 from hcache.restore import profiler
 from hcache.restore.profile import Profile
+from hcache.server.http import SidePort
+from hcache.server.interceptors import CountingInterceptor
+from hcache.server.metrics import Metrics
 from hcache.server.servicer import Servicer
 from hcache.storage.store import ChunkStore, StorageConfig
 from hcache.v1 import hcache_pb2 as pb
@@ -39,6 +43,12 @@ class Running:
     port: int
     cfg: Config
     stopped: threading.Event
+    side: SidePort | None = None
+    metrics: Metrics | None = None
+
+    @property
+    def http_port(self) -> int | None:
+        return self.side.port if self.side else None
 
     def stop(self, drain_seconds: float | None = None) -> None:
         """Drain, then shut everything down (idempotent)."""
@@ -50,13 +60,15 @@ class Running:
         if not finished:
             log.warning("drain timed out after %.0f s; stopping with turns still running", grace)
         self.server.stop(grace=1.0).wait()
+        if self.side is not None:
+            self.side.close()
         self.engine.close()
         self.store.close()
         self.stopped.set()
 
 
 def build_engine(
-    cfg: Config, profile: Profile | None = None, loaded: LoadedModel | None = None
+    cfg: Config, profile: Profile | None = None, loaded: LoadedModel | None = None, telemetry: Telemetry | None = None
 ) -> tuple[Engine, ChunkStore]:
     loaded = loaded or load(cfg.model, cfg.dtype, cfg.device)
     if loaded.tokenizer is None:
@@ -68,7 +80,8 @@ def build_engine(
         profile = profiler.load_or_run(loaded.model, dirs, Path(cfg.profile_dir))
     store = ChunkStore(StorageConfig([str(d) for d in dirs]), loaded.model.cfg, loaded.model.dtype, cfg.device)
     try:
-        engine = Engine(loaded.model, loaded.tokenizer, store, profile, cfg.engine, model_name=str(loaded.source.name))
+        name = str(loaded.source.name)
+        engine = Engine(loaded.model, loaded.tokenizer, store, profile, cfg.engine, name, telemetry)
     except Exception:
         store.close()
         raise
@@ -76,13 +89,16 @@ def build_engine(
 
 
 def start(cfg: Config, profile: Profile | None = None, loaded: LoadedModel | None = None) -> Running:
-    engine, store = build_engine(cfg, profile, loaded)
+    metrics = Metrics()
+    engine, store = build_engine(cfg, profile, loaded, metrics)
+    metrics.attach(engine)
     s = cfg.server
     opts = [
         ("grpc.max_receive_message_length", s.max_message_bytes),
         ("grpc.max_send_message_length", s.max_message_bytes),
     ]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=s.workers), options=opts)
+    interceptors = [CountingInterceptor(lambda rpc, code: metrics.requests.labels(rpc, code).inc())]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=s.workers), interceptors=interceptors, options=opts)
     pb_grpc.add_HCacheServicer_to_server(Servicer(engine), server)
     hs = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
@@ -92,11 +108,19 @@ def start(cfg: Config, profile: Profile | None = None, loaded: LoadedModel | Non
         engine.close()
         store.close()
         raise OSError(f"cannot listen on {s.host}:{s.port}")
+    side = None
+    if s.http_port >= 0:
+        try:
+            side = SidePort(metrics, s.host, s.http_port)
+        except OSError as e:
+            engine.close()
+            store.close()
+            raise OSError(f"cannot listen on {s.host}:{s.http_port} (HTTP side port): {e.strerror}") from None
     server.start()
     for name in ("", SERVICE):
         hs.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("hcache serving %s on %s:%d", engine.model_name, s.host, port)
-    return Running(server, engine, store, hs, port, cfg, threading.Event())
+    log.info("hcache serving %s on %s:%d (HTTP %s)", engine.model_name, s.host, port, side.port if side else "off")
+    return Running(server, engine, store, hs, port, cfg, threading.Event(), side, metrics)
 
 
 def serve(cfg: Config, profile: Profile | None = None) -> int:
@@ -109,7 +133,8 @@ def serve(cfg: Config, profile: Profile | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    print(f"hcache: serving {run.engine.model_name} on {cfg.server.host}:{run.port}", flush=True)
+    http = f", dashboard http://{cfg.server.host}:{run.http_port}/dashboard" if run.http_port else ""
+    print(f"hcache: serving {run.engine.model_name} on {cfg.server.host}:{run.port}{http}", flush=True)
     done.wait()
     run.stop()
     print("hcache: stopped", flush=True)

@@ -198,7 +198,7 @@ class Servicer(pb_grpc.HCacheServicer):
             sessions=len(sessions),
             resident_sessions=sum(s.resident for s in sessions),
             resident_bytes=e.resident_bytes(),
-            budget_bytes=e.pool.num_blocks * e.pool.bytes_per_block(e.model.cfg, e.model.dtype),
+            budget_bytes=e.budget_bytes(),
             contexts=len(e.list("context")),
             queue_depth=e.queue_depth(),
             evictions=e.counters.evictions,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -199,7 +200,10 @@ class DirWriter(threading.Thread):
                     break
                 group.append(nxt)
                 size += self.slot_max
+            t0 = time.perf_counter()
             self._write_group(group)
+            if self.store.on_flush is not None:
+                self.store.on_flush(self.index, time.perf_counter() - t0)
             if stop:
                 break
 

@@ -143,7 +143,7 @@ class OwnerReader:
             return
         with self._lock:
             self.bytes_read += len(got)
-        self.store.count_read(len(got))
+        self.store.count_read(len(got), q.dir)
         shape = self.store.shapes[Kind(q.chunks[0].kind)]
         whole = torch.frombuffer(got, dtype=torch.uint8) if len(got) else torch.empty(0, dtype=torch.uint8)
         good: list[ChunkRow] = []

@@ -14,7 +14,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -78,6 +78,7 @@ class StoreStats:
     recovered_orphan_slots: int = 0
     dropped_stale_chunks: int = 0
     bytes_read: int = 0
+    read_bytes_by_dir: list[int] = field(default_factory=list)
 
 
 class ChunkStore:
@@ -114,7 +115,8 @@ class ChunkStore:
         self.seqs: dict[tuple[str, int, int, str], int] = {}
         self.errors: dict[str, Exception] = {}
         self._buffers: dict[tuple[int, ...], list[torch.Tensor]] = {}
-        self.stats = StoreStats()
+        self.stats = StoreStats(read_bytes_by_dir=[0] * len(self.dirs))
+        self.on_flush: Callable[[int, float], None] | None = None  # (directory, seconds) per written group
         self.throttle = TokenBucket(cfg.read_cap_mbps * 1e6)
         self._recover()
         self.ring = StagingRing(cfg.staging_bytes, model.hidden_size, model.kv_dim, dtype, torch.device(device))
@@ -413,9 +415,10 @@ class ChunkStore:
         """Cap restore reads at `mbps` MB/s (0 lifts the cap)."""
         self.throttle.set_rate(mbps * 1e6)
 
-    def count_read(self, nbytes: int) -> None:
+    def count_read(self, nbytes: int, d: int) -> None:
         with self.lock:
             self.stats.bytes_read += nbytes
+            self.stats.read_bytes_by_dir[d] += nbytes
 
     def count_checksum_failure(self) -> None:
         with self.lock:

@@ -1,0 +1,59 @@
+"""gRPC server interceptors: count every RPC by method and final status code."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+
+def _code(ctx: grpc.ServicerContext, failed: bool) -> str:
+    code = ctx.code() if hasattr(ctx, "code") else None
+    if code is None:
+        return "UNKNOWN" if failed else "OK"
+    return code.name if isinstance(code, grpc.StatusCode) else str(code)
+
+
+class CountingInterceptor(grpc.ServerInterceptor):
+    """Calls `count(rpc, code)` once per finished call (unary and server-streaming)."""
+
+    def __init__(self, count: Callable[[str, str], None]):
+        self.count = count
+
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(details)
+        if handler is None:
+            return None
+        rpc = details.method.rsplit("/", 1)[-1]
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            def unary(req: Any, ctx: grpc.ServicerContext) -> Any:
+                failed = True
+                try:
+                    out = inner(req, ctx)
+                    failed = False
+                    return out
+                finally:
+                    self.count(rpc, _code(ctx, failed))
+
+            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            inner_s = handler.unary_stream
+
+            def stream(req: Any, ctx: grpc.ServicerContext) -> Iterator[Any]:
+                failed = True
+                try:
+                    yield from inner_s(req, ctx)
+                    failed = False
+                except GeneratorExit:  # the client went away mid-stream
+                    failed = False
+                    raise
+                finally:
+                    self.count(rpc, "CANCELLED" if not ctx.is_active() and ctx.code() is None else _code(ctx, failed))
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, handler.request_deserializer, handler.response_serializer
+            )
+        return handler

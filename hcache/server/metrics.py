@@ -1,0 +1,225 @@
+"""What operators watch: Prometheus metrics (through prometheus_client, on its own
+registry) and the rolling history the dashboard draws. The engine reports events
+through the `Telemetry` hooks; store and engine state is read at scrape time."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter as Tally
+from collections import deque
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hcache.engine.telemetry import Telemetry
+
+if TYPE_CHECKING:
+    from hcache.engine.engine import Engine
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TBT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
+BUCKET_S = 10  # dashboard history resolution
+HISTORY = 90  # buckets kept (15 minutes)
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+class Metrics(Telemetry):
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.restore_seconds = Histogram(
+            "hcache_restore_seconds",
+            "Time to bring a session's KV back, by method mix and plan",
+            ["methods", "plan"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram("hcache_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.tbt = Histogram("hcache_tbt_seconds", "Time between tokens", buckets=TBT_BUCKETS, registry=r)
+        self.flush = Histogram(
+            "hcache_flush_seconds",
+            "Write + fsync + manifest commit of one chunk group",
+            ["dir"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter("hcache_requests", "RPCs by method and status code", ["rpc", "code"], registry=r)
+        self._lock = threading.Lock()
+        self._buckets: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        self._rates: dict[str, tuple[float, float]] = {}  # dir -> (read MB/s, write MB/s)
+        self._last: tuple[float, list[int], list[int]] | None = None
+        self.engine: Engine | None = None
+
+    def attach(self, engine: Engine) -> None:
+        """Read engine and store state at scrape time; time flushes."""
+        self.engine = engine
+        self.registry.register(_StateCollector(engine))
+        engine.store.on_flush = lambda d, s: self.flush.labels(str(engine.store.dirs[d])).observe(s)
+
+    # --- Telemetry hooks (called on the engine's threads) ---------------------------
+    def _bucket(self) -> dict[str, Any]:
+        now = int(time.time()) // BUCKET_S * BUCKET_S
+        if not self._buckets or self._buckets[-1]["t"] != now:
+            self._buckets.append({"t": now, "mix": Tally(), "ttft": [], "tbt": [], "restore_ms": []})
+        return self._buckets[-1]
+
+    def on_restore(self, methods: str, plan: str, ms: float) -> None:
+        self.restore_seconds.labels(methods, plan).observe(ms / 1e3)
+        with self._lock:
+            b = self._bucket()
+            b["mix"][methods] += 1
+            b["restore_ms"].append(ms)
+
+    def on_ttft(self, ms: float) -> None:
+        self.ttft.observe(ms / 1e3)
+        with self._lock:
+            self._bucket()["ttft"].append(ms)
+
+    def on_tbt(self, ms: float) -> None:
+        self.tbt.observe(ms / 1e3)
+        with self._lock:
+            self._bucket()["tbt"].append(ms)
+
+    # --- dashboard --------------------------------------------------------------------
+    def sample_rates(self) -> None:
+        """Per-directory read/write MB/s since the previous sample (the HTTP server calls this every 2 s)."""
+        if self.engine is None:
+            return
+        st = self.engine.store
+        now = time.monotonic()
+        reads = list(st.stats.read_bytes_by_dir)
+        writes = [u.bytes_written for u in st.usage()]
+        if self._last is not None:
+            t0, r0, w0 = self._last
+            dt = max(1e-6, now - t0)
+            for d, path in enumerate(st.dirs):
+                self._rates[str(path)] = ((reads[d] - r0[d]) / dt / 1e6, (writes[d] - w0[d]) / dt / 1e6)
+        self._last = (now, reads, writes)
+
+    def dashboard(self) -> dict[str, Any]:
+        e = self.engine
+        assert e is not None
+        with e.lock:
+            sessions = sorted(e.registry.sessions.values(), key=lambda s: -s.last_used)[:200]
+            rows = [
+                {
+                    "id": s.id,
+                    "kind": s.kind,
+                    "tokens": len(s.tokens),
+                    "resident": s.resident,
+                    "busy": s.busy,
+                    "turns": s.turns,
+                    "plan": _plan_text(s.last_plan.counts()) if s.last_plan else "",
+                    "restore_ms": round(s.last_restore_ms, 1) if s.last_plan else None,
+                }
+                for s in sessions
+            ]
+            n_sessions = sum(1 for s in e.registry.sessions.values() if s.kind == "session")
+            resident = sum(1 for s in e.registry.sessions.values() if s.resident)
+        storage = []
+        for u in e.store.usage():
+            rd, wr = self._rates.get(u.path, (0.0, 0.0))
+            storage.append(
+                {
+                    "path": u.path,
+                    "used_bytes": u.used_bytes,
+                    "free_bytes": u.fs_free_bytes,
+                    "quota_bytes": u.quota_bytes,
+                    "chunks": u.chunks,
+                    "read_mbps": rd,
+                    "write_mbps": wr,
+                }
+            )
+        with self._lock:
+            history = [
+                {
+                    "t": b["t"],
+                    "mix": dict(b["mix"]),
+                    "ttft_p50": _pct(b["ttft"], 0.5),
+                    "ttft_p99": _pct(b["ttft"], 0.99),
+                    "tbt_p50": _pct(b["tbt"], 0.5),
+                    "tbt_p99": _pct(b["tbt"], 0.99),
+                    "restore_p50": _pct(b["restore_ms"], 0.5),
+                }
+                for b in self._buckets
+            ]
+        c, st = e.counters, e.store.stats
+        return {
+            "time": time.time(),
+            "model": e.model_name,
+            "draining": e.draining,
+            "sessions": rows,
+            "storage": storage,
+            "history": history,
+            "totals": {
+                "sessions": n_sessions,
+                "resident_sessions": resident,
+                "resident_bytes": e.resident_bytes(),
+                "budget_bytes": e.budget_bytes(),
+                "restores": c.restores,
+                "evictions": c.evictions,
+                "fallback_layers": c.fallback_layers,
+                "checksum_failures": st.checksum_failures,
+                "generated_tokens": c.generated_tokens,
+                "queue_depth": e.queue_depth(),
+            },
+        }
+
+
+def _plan_text(counts: dict[str, int]) -> str:
+    return f"RE {counts.get('recompute', 0)} / H {counts.get('hidden', 0)} / KV {counts.get('kv', 0)}"
+
+
+class _StateCollector(Collector):
+    """Gauges and counters that are engine or store state, read when Prometheus scrapes."""
+
+    def __init__(self, engine: Engine):
+        self.e = engine
+
+    def collect(self) -> Iterator[Metric]:
+        e, st = self.e, self.e.store.stats
+        yield CounterMetricFamily("hcache_checksum_failures", "Chunks that failed their checksum", st.checksum_failures)
+        yield CounterMetricFamily(
+            "hcache_recompute_fallback_layers",
+            "Layers recomputed because stored state was unusable",
+            e.counters.fallback_layers,
+        )
+        yield CounterMetricFamily("hcache_evictions", "Sessions whose KV left memory", e.counters.evictions)
+        yield CounterMetricFamily("hcache_restores", "Restores", e.counters.restores)
+        yield CounterMetricFamily("hcache_generated_tokens", "Tokens generated", e.counters.generated_tokens)
+        yield CounterMetricFamily(
+            "hcache_staging_producer_waits", "Times a full staging ring blocked", e.store.ring.waits
+        )
+        yield GaugeMetricFamily("hcache_staging_ring_used_bytes", "Staging ring occupancy", e.store.ring.used_bytes())
+        yield GaugeMetricFamily("hcache_staging_ring_capacity_bytes", "Staging ring size", e.store.ring.capacity)
+        with e.lock:
+            resident = sum(1 for s in e.registry.sessions.values() if s.resident)
+            sessions = sum(1 for s in e.registry.sessions.values() if s.kind == "session")
+        yield GaugeMetricFamily("hcache_sessions", "Sessions known", sessions)
+        yield GaugeMetricFamily("hcache_resident_sessions", "Sessions whose KV is in memory", resident)
+        yield GaugeMetricFamily("hcache_resident_bytes", "KV memory held by sessions", e.resident_bytes())
+        yield GaugeMetricFamily("hcache_resident_budget_bytes", "KV memory budget", e.budget_bytes())
+        q = GaugeMetricFamily("hcache_queue_depth", "Sequences per phase", labels=["phase"])
+        for phase, n in e.queue_depth().items():
+            q.add_metric([phase], n)
+        yield q
+        rd = CounterMetricFamily("hcache_storage_read_bytes", "Bytes read per storage directory", labels=["dir"])
+        wr = CounterMetricFamily("hcache_storage_written_bytes", "Bytes written per storage directory", labels=["dir"])
+        used = GaugeMetricFamily("hcache_storage_used_bytes", "Bytes held by chunks per directory", labels=["dir"])
+        free = GaugeMetricFamily("hcache_storage_free_bytes", "Free bytes of the filesystem", labels=["dir"])
+        for d, u in enumerate(e.store.usage()):
+            rd.add_metric([u.path], st.read_bytes_by_dir[d])
+            wr.add_metric([u.path], u.bytes_written)
+            used.add_metric([u.path], u.used_bytes)
+            free.add_metric([u.path], u.fs_free_bytes)
+        yield from (rd, wr, used, free)

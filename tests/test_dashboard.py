@@ -1,0 +1,123 @@
+"""The HTTP side port: Prometheus metrics, health and readiness, and the dashboard driven by
+Debian's Chromium through Playwright against a live server on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from engine_helpers import profile_for
+
+from hcache.client import Client
+from hcache.config import Config, EngineConfig, ServerConfig
+from hcache.server.app import start
+
+pytestmark = pytest.mark.slow
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.fixture(scope="module")
+def live(default_model, tmp_path_factory):
+    d = tmp_path_factory.mktemp("dash")
+    cfg = Config(
+        storage_dirs=[str(d / "a"), str(d / "b")],
+        engine=EngineConfig(store_kinds="both", kv_budget_bytes=256 << 20),
+        server=ServerConfig(port=0, http_port=0),
+    )
+    run = start(cfg, profile_for(default_model.model), default_model)
+    yield run
+    run.stop(1)
+
+
+def test_metrics_health_readiness(live):
+    base = f"http://127.0.0.1:{live.http_port}"
+    with Client(f"127.0.0.1:{live.port}") as c:
+        sid = c.create_session().session_id
+        c.reply(sid, "Hello!", max_new_tokens=4)
+        c.evict(sid)
+        c.restore(sid, "kv")
+        c.reply(sid, "Bye!", max_new_tokens=4)
+        with contextlib.suppress(Exception):
+            c.get("nope")
+    status, text = get(f"{base}/metrics")
+    assert status == 200
+    for name in (
+        'hcache_restore_seconds_count{methods="KV",plan="RE 0 / H 0 / KV 30"}',
+        "hcache_storage_read_bytes_total{dir=",
+        "hcache_storage_written_bytes_total{dir=",
+        "hcache_checksum_failures_total",
+        "hcache_recompute_fallback_layers_total",
+        "hcache_staging_ring_used_bytes",
+        "hcache_staging_producer_waits_total",
+        "hcache_flush_seconds_bucket{dir=",
+        "hcache_resident_sessions",
+        "hcache_resident_bytes",
+        "hcache_evictions_total",
+        "hcache_ttft_seconds_bucket",
+        "hcache_tbt_seconds_bucket",
+        'hcache_queue_depth{phase="decode"}',
+        'hcache_requests_total{code="OK",rpc="Generate"}',
+        'hcache_requests_total{code="NOT_FOUND",rpc="GetSession"}',
+    ):
+        assert name in text, name
+    assert get(f"{base}/healthz") == (200, "ok\n")
+    status, body = get(f"{base}/readyz")
+    assert status == 200 and json.loads(body)["ready"]
+    dirs = live.engine.store.dirs
+    live.engine.store.dirs = [*dirs, Path("/nonexistent/hcache")]
+    try:
+        status, body = get(f"{base}/readyz")
+        assert status == 503 and "/nonexistent/hcache not writable" in body
+    finally:
+        live.engine.store.dirs = dirs
+    assert get(f"{base}/static/../app.py")[0] == 404
+
+
+def test_dashboard_in_chromium(live):
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.fail("Debian's chromium is not installed (make test installs it)")
+    from playwright.sync_api import sync_playwright
+
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(f"http://127.0.0.1:{live.http_port}/dashboard")
+        tile = page.locator('.tile[data-key="tokens generated"] b')
+        tile.wait_for(timeout=15000)
+        before = int(tile.inner_text())
+        with Client(f"127.0.0.1:{live.port}") as c:
+            sid = c.create_session().session_id
+            c.reply(sid, "Tell me a fact about owls.", max_new_tokens=8)
+            c.evict(sid)
+            c.reply(sid, "Another one?", max_new_tokens=8)  # restored by the planner's choice
+        deadline = time.monotonic() + 15
+        while int(tile.inner_text()) == before and time.monotonic() < deadline:
+            page.wait_for_timeout(250)
+        assert int(tile.inner_text()) > before
+        page.locator(f"#sessions td code:text('{sid}')").wait_for(timeout=10000)
+        row = page.locator("#sessions tr", has=page.locator(f"code:text('{sid}')"))
+        assert "RE " in row.inner_text() and "/ KV" in row.inner_text()
+        assert page.locator("#storage tbody tr").count() == 2
+        assert page.locator("#mix canvas").count() == 1 and page.locator("#lat canvas").count() == 1
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+        browser.close()
+    assert not errors, errors
