@@ -151,6 +151,7 @@ class EngineConfig:
     kv_budget_bytes: int = 2 << 30  # resident KV of all sessions (the block pool)
     max_batch: int = 32  # sequences per decode step
     piece_tokens: int = 512  # prefill runs in pieces of this many tokens
+    prefill_slice_ms: float = 25.0  # restore/prefill time per engine step while others decode
     default_max_new_tokens: int = 256
     fused: bool = True  # prefill layer l as soon as layer l's KV is restored
     store_kinds: str = "auto"  # per layer: auto (the planner's choice) | kv | hidden | both

@@ -398,11 +398,13 @@ class Engine:
         self.prefilling.append(seq)
 
     def _advance_prefill(self) -> bool:
-        """One layer of one job when others decode; otherwise run jobs until they wait on storage."""
+        """Restore+prefill work, a layer at a time. While others decode, a time slice per step
+        (their TBT grows by at most about the slice plus one layer); otherwise until every
+        job waits on storage."""
         worked = False
+        deadline = time.perf_counter() + self.cfg.prefill_slice_ms / 1e3 if self.decoding else math.inf
         for seq in list(self.prefilling):
-            budget = 1 if self.decoding else 1 << 30
-            while budget:
+            while time.perf_counter() < deadline:
                 try:
                     did = next(seq.steps)
                 except StopIteration:
@@ -422,10 +424,9 @@ class Engine:
                         worked = True
                     break
                 worked = True
-                budget -= 1
                 if seq.phase == Phase.RESTORING and seq.job is not None and seq.job.report.restore_ms:
                     seq.phase = Phase.PREFILL
-            if worked and self.decoding:
+            if time.perf_counter() >= deadline:
                 break
         return worked
 
