@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from hcache.config import Config
 from hcache.storage.errors import StorageError
@@ -61,11 +63,19 @@ def parser() -> argparse.ArgumentParser:
         help="force how Generate restores evicted sessions (benchmarks)",
     )
     serve.add_argument("--drain-seconds", type=float, default=30.0)
+    serve.add_argument("--api-keys", help="file of 'tenant key' lines: every RPC needs a key; keys own sessions")
+    serve.add_argument("--tls-cert", help="PEM certificate chain (with --tls-key: serve TLS)")
+    serve.add_argument("--tls-key", help="PEM private key")
+    serve.add_argument("--max-sessions-per-key", type=int, default=0, help="0: no limit")
+    serve.add_argument("--max-storage-mb-per-key", type=int, default=0, help="0: no limit")
+    serve.add_argument("--max-message-mb", type=int, default=4, help="largest request accepted")
     chat = sub.add_parser("chat", help="terminal chat client (/restore, /evict, /stats)")
     chat.add_argument("--target", default="localhost:50051")
     chat.add_argument("--session", help="continue this session instead of creating one")
     chat.add_argument("--system", default="", help="system prompt of a new session")
     chat.add_argument("--max-new-tokens", type=int, default=256)
+    chat.add_argument("--api-key", default=os.environ.get("HCACHE_API_KEY"), help="(default: $HCACHE_API_KEY)")
+    chat.add_argument("--tls-ca", help="PEM root certificate: connect with TLS")
     bench = sub.add_parser("bench", help="benchmarks (storage, restore, engine, serve)")
     bench.add_argument("what", choices=["storage", "restore", "engine", "serve"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
@@ -91,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "chat":
             from hcache.server import chat
 
-            return chat.run(args.target, args.session, args.system, args.max_new_tokens)
+            root = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+            return chat.run(args.target, args.session, args.system, args.max_new_tokens, args.api_key, root)
         if args.command == "profile":
             return _profile(cfg, args)
         if args.command == "plan":
@@ -124,9 +135,19 @@ def _serve(cfg: Config, args: argparse.Namespace) -> int:
         cfg.storage_dirs = args.dirs
     cfg.server.host, cfg.server.port, cfg.server.drain_seconds = args.host, args.port, args.drain_seconds
     cfg.server.http_port = args.http_port
+    cfg.server.api_keys_file, cfg.server.tls_cert_file, cfg.server.tls_key_file = (
+        args.api_keys or "",
+        args.tls_cert or "",
+        args.tls_key or "",
+    )
+    cfg.server.max_message_bytes = args.max_message_mb << 20
     e = cfg.engine
     e.kv_budget_bytes, e.store_kinds, e.max_batch = args.kv_budget_mb << 20, args.store_kinds, args.max_batch
     e.fused, e.read_cap_mbps, e.restore_method = not args.sequential, args.read_cap_mbps, args.restore_method
+    e.max_sessions_per_tenant, e.max_storage_bytes_per_tenant = (
+        args.max_sessions_per_key,
+        args.max_storage_mb_per_key << 20,
+    )
     profile = Profile.load(Path(args.profile)) if args.profile else None
     return app.serve(cfg, profile)
 

@@ -8,8 +8,9 @@ with Client("localhost:50051") as c:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from google.protobuf import empty_pb2
@@ -34,10 +35,40 @@ class Reply:
     chunks: list[str] = field(default_factory=list)
 
 
+class _KeyInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, key: str):
+        self.meta = ("authorization", f"Bearer {key}")
+
+    def _with_key(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        meta = [*(details.metadata or ()), self.meta]
+        return details._replace(metadata=meta)  # type: ignore[attr-defined]
+
+    def intercept_unary_unary(self, continuation: Callable, details: grpc.ClientCallDetails, request: Any) -> Any:
+        return continuation(self._with_key(details), request)
+
+    def intercept_unary_stream(self, continuation: Callable, details: grpc.ClientCallDetails, request: Any) -> Any:
+        return continuation(self._with_key(details), request)
+
+
 class Client:
-    def __init__(self, target: str = "localhost:50051", channel: grpc.Channel | None = None, timeout: float = 600):
-        self.channel = channel or grpc.insecure_channel(target)
-        self.stub = pb_grpc.HCacheStub(self.channel)
+    def __init__(
+        self,
+        target: str = "localhost:50051",
+        channel: grpc.Channel | None = None,
+        timeout: float = 600,
+        api_key: str | None = None,
+        root_cert: bytes | None = None,
+    ):
+        """`api_key` goes with every call as `authorization: Bearer`; `root_cert` (PEM) turns TLS on."""
+        if channel is None:
+            if root_cert is not None:
+                channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=root_cert))
+            else:
+                channel = grpc.insecure_channel(target)
+        self.channel = channel
+        if api_key:
+            channel = grpc.intercept_channel(channel, _KeyInterceptor(api_key))
+        self.stub = pb_grpc.HCacheStub(channel)
         self.timeout = timeout
 
     def close(self) -> None:

@@ -157,6 +157,8 @@ class EngineConfig:
     store_kinds: str = "auto"  # per layer: auto (the planner's choice) | kv | hidden | both
     plan_tokens: int = 4096  # the session length the storage choice is planned for
     read_cap_mbps: float = 0.0  # restore read cap (0: none)
+    max_sessions_per_tenant: int = 0  # per API key (0: no limit)
+    max_storage_bytes_per_tenant: int = 0  # stored state per API key (0: no limit)
     restore_method: str = "auto"  # what Generate restores by: auto | kv | hidden | recompute (benchmarks)
 
 
@@ -168,6 +170,9 @@ class ServerConfig:
     workers: int = 64  # gRPC handler threads (one per open stream)
     max_message_bytes: int = 4 << 20
     drain_seconds: float = 30.0
+    api_keys_file: str = ""  # "tenant key" lines; empty: no authentication
+    tls_cert_file: str = ""  # PEM certificate chain and key: TLS instead of plaintext
+    tls_key_file: str = ""
 
 
 @dataclass

@@ -85,15 +85,24 @@ class Engine:
 
     # --- public API (called from RPC threads) -------------------------------------
     def create_session(
-        self, system_prompt: str = "", context_ids: list[str] | None = None, labels: dict[str, str] | None = None
+        self,
+        system_prompt: str = "",
+        context_ids: list[str] | None = None,
+        labels: dict[str, str] | None = None,
+        tenant: str | None = None,
     ) -> Session:
         self._check_open()
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         with self.lock:
-            return self.registry.create("session", dict(labels or {}), list(context_ids or []), messages)
+            self._check_session_limit(tenant)
+            return self.registry.create("session", dict(labels or {}), list(context_ids or []), messages, tenant)
 
     def precompute_context(
-        self, text: str = "", token_ids: list[int] | None = None, labels: dict[str, str] | None = None
+        self,
+        text: str = "",
+        token_ids: list[int] | None = None,
+        labels: dict[str, str] | None = None,
+        tenant: str | None = None,
     ) -> Session:
         """Prefill a document once and store its state; returns when it is durable."""
         self._check_open()
@@ -106,7 +115,8 @@ class Engine:
         if len(ids) > self.model.cfg.max_position:
             raise InvalidArgument(f"context of {len(ids)} tokens exceeds the model's {self.model.cfg.max_position}")
         with self.lock:
-            ctx = self.registry.create("context", dict(labels or {}), [], [])
+            self._check_storage(tenant, len(ids))
+            ctx = self.registry.create("context", dict(labels or {}), [], [], tenant)
             ctx.busy = True
         seq = self._sequence(ctx, ids, 0, SamplingParams(max_new_tokens=1), [], sample=False)
         self._submit(seq)
@@ -120,6 +130,7 @@ class Engine:
         token_ids: list[int] | None = None,
         params: SamplingParams | None = None,
         stops: list[str] | None = None,
+        tenant: str | None = None,
     ) -> Sequence:
         """Queue a turn; read `seq.events` (or iterate `stream(seq)`) for the reply."""
         self._check_open()
@@ -137,7 +148,7 @@ class Engine:
         if bool(message) == bool(token_ids):
             raise InvalidArgument("a turn is a non-empty message or a list of token_ids (exactly one)")
         with self.lock:
-            s = self.registry.get(session_id)
+            s = self.registry.get(session_id, tenant=tenant)
             if s.busy:
                 raise FailedPrecondition(f"session {session_id} is busy with another request")
             if s.error:
@@ -156,6 +167,7 @@ class Engine:
             keep = min(common_prefix(s.tokens, ids), len(ids) - 1)
             if keep < s.base:
                 raise FailedPrecondition(f"session {session_id} no longer starts with its context")
+            self._check_storage(tenant, len(ids) - len(s.tokens) + params.max_new_tokens)
             seq = self._sequence(s, ids[keep:], keep, params, stops, sample=True)
             seq.user_message = message or None
             if self.cfg.restore_method != "auto":
@@ -165,11 +177,11 @@ class Engine:
         self._submit(seq)
         return seq
 
-    def restore(self, session_id: str, method: Method | None = None) -> dict[str, Any]:
+    def restore(self, session_id: str, method: Method | None = None, tenant: str | None = None) -> dict[str, Any]:
         """Make the session resident (again, from storage, when a method is forced)."""
         self._check_open()
         with self.lock:
-            s = self.registry.get(session_id)
+            s = self.registry.get(session_id, tenant=tenant)
             if s.busy:
                 raise FailedPrecondition(f"session {session_id} is busy with another request")
             if s.error:
@@ -186,31 +198,34 @@ class Engine:
         self._wait(seq)
         return seq.result
 
-    def evict(self, session_id: str) -> Session:
+    def evict(self, session_id: str, tenant: str | None = None) -> Session:
         with self.lock:
-            s = self.registry.get(session_id)
+            s = self.registry.get(session_id, tenant=tenant)
             if s.busy:
                 raise FailedPrecondition(f"session {session_id} is busy with another request")
             self._evict(s)
             return s
 
-    def delete(self, session_id: str) -> None:
+    def delete(self, session_id: str, tenant: str | None = None) -> None:
+        """Delete a session, or a context no session uses."""
         with self.lock:
             s = self.registry.sessions.get(session_id)
-            if s is None:
-                s = self.registry.get(session_id)  # raises NotFound
+            kind = s.kind if s is not None else "session"
+            s = self.registry.get(session_id, kind, tenant)  # NotFound for unknown ids and other tenants
             if s.busy:
                 raise FailedPrecondition(f"{s.kind} {session_id} is busy with another request")
             self._evict(s)
             self.registry.delete(s)
 
-    def get(self, session_id: str) -> Session:
+    def get(self, session_id: str, tenant: str | None = None) -> Session:
         with self.lock:
-            return self.registry.get(session_id)
+            return self.registry.get(session_id, tenant=tenant)
 
-    def list(self, kind: str = "session") -> list[Session]:
+    def list(self, kind: str = "session", tenant: str | None = None) -> list[Session]:
+        """Sessions (or contexts) by id; only the tenant's own when a tenant is given."""
         with self.lock:
-            return sorted((s for s in self.registry.sessions.values() if s.kind == kind), key=lambda s: s.id)
+            mine = (s for s in self.registry.sessions.values() if s.kind == kind)
+            return sorted((s for s in mine if tenant is None or s.tenant == tenant), key=lambda s: s.id)
 
     def stream(self, seq: Sequence) -> Iterator[Event]:
         while True:
@@ -261,6 +276,26 @@ class Engine:
             }
 
     # --- helpers -------------------------------------------------------------------
+    def _check_session_limit(self, tenant: str | None) -> None:
+        limit = self.cfg.max_sessions_per_tenant
+        if tenant is not None and limit:
+            n = sum(1 for s in self.registry.sessions.values() if s.tenant == tenant and s.kind == "session")
+            if n >= limit:
+                raise ResourceExhausted(f"this API key already has {n} sessions (the limit is {limit})")
+
+    def _check_storage(self, tenant: str | None, more_tokens: int) -> None:
+        """Refuse work that could take a tenant's stored state past its quota."""
+        limit = self.cfg.max_storage_bytes_per_tenant
+        if tenant is None or not limit:
+            return
+        used = sum(len(s.own_tokens) for s in self.registry.sessions.values() if s.tenant == tenant)
+        per_token = self.registry.bytes_per_token()
+        if (used + more_tokens) * per_token > limit:
+            raise ResourceExhausted(
+                f"this API key stores {used * per_token / 1e6:.1f} MB; this request could take it past "
+                f"its {limit / 1e6:.1f} MB quota (delete sessions to make room)"
+            )
+
     def _check_open(self) -> None:
         if self.draining:
             raise Unavailable("the server is draining; retry on another instance")

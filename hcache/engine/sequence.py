@@ -47,6 +47,7 @@ class Session:
     last_plan: Plan | None = None
     last_restore_ms: float = 0.0
     error: str | None = None  # why this session cannot be restored (e.g. another model's state)
+    tenant: str | None = None  # the API key's tenant that owns it (None: no keys configured)
 
     @property
     def resident(self) -> bool:
@@ -68,6 +69,7 @@ class Session:
             "labels": self.labels,
             "context_ids": self.context_ids,
             "turns": self.turns,
+            "tenant": self.tenant,
         }
 
 

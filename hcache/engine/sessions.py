@@ -108,6 +108,7 @@ class Registry:
                 labels=dict(meta.get("labels", {})),
                 context_ids=list(meta.get("context_ids", [])),
                 turns=int(meta.get("turns", 0)),
+                tenant=meta.get("tenant"),
                 created=r.created,
                 updated=r.updated,
             )
@@ -117,14 +118,21 @@ class Registry:
                 s.error = f"session {r.owner} lost its context {parent}"
             self.sessions[r.owner] = s
 
-    def get(self, sid: str, kind: str = "session") -> Session:
+    def get(self, sid: str, kind: str = "session", tenant: str | None = None) -> Session:
+        """Another tenant's session is as unknown as a missing one."""
         s = self.sessions.get(sid)
-        if s is None or s.kind != kind:
-            raise NotFound(f"{kind} {sid!r} not found")
+        if s is None or s.kind != kind or (tenant is not None and s.tenant != tenant):
+            raise NotFound(f"{kind} {sid[:64]!r} not found")
         return s
 
-    def create(self, kind: str, labels: dict[str, str], context_ids: list[str], messages: list[dict]) -> Session:
-        contexts = [self.get(c, "context") for c in context_ids]
+    def bytes_per_token(self) -> int:
+        cfg, elem = self.model.cfg, torch.finfo(self.model.dtype).bits // 8
+        return sum((Kind.HIDDEN in k) * cfg.hidden_size + (Kind.KV in k) * 2 * cfg.kv_dim for k in self.kinds) * elem
+
+    def create(
+        self, kind: str, labels: dict[str, str], context_ids: list[str], messages: list[dict], tenant: str | None = None
+    ) -> Session:
+        contexts = [self.get(c, "context", tenant) for c in context_ids]
         for c in contexts:
             if c.error:
                 raise FailedPrecondition(c.error)
@@ -140,6 +148,7 @@ class Registry:
             messages=messages,
             labels=labels,
             context_ids=context_ids,
+            tenant=tenant,
         )
         self.store.create_owner(s.id, list(self.kinds), self.fingerprint, kind=kind, meta=s.meta())
         self.sessions[s.id] = s

@@ -22,6 +22,7 @@ from hcache.engine.telemetry import Telemetry
 from hcache.model.loader import LoadedModel, load
 from hcache.restore import profiler
 from hcache.restore.profile import Profile
+from hcache.server.auth import AuthInterceptor, load_keys
 from hcache.server.http import SidePort
 from hcache.server.interceptors import CountingInterceptor
 from hcache.server.metrics import Metrics
@@ -97,13 +98,23 @@ def start(cfg: Config, profile: Profile | None = None, loaded: LoadedModel | Non
         ("grpc.max_receive_message_length", s.max_message_bytes),
         ("grpc.max_send_message_length", s.max_message_bytes),
     ]
-    interceptors = [CountingInterceptor(lambda rpc, code: metrics.requests.labels(rpc, code).inc())]
+    interceptors: list[grpc.ServerInterceptor] = [
+        CountingInterceptor(lambda rpc, code: metrics.requests.labels(rpc, code).inc())
+    ]
+    if s.api_keys_file:
+        interceptors.append(AuthInterceptor(load_keys(s.api_keys_file)))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=s.workers), interceptors=interceptors, options=opts)
     pb_grpc.add_HCacheServicer_to_server(Servicer(engine), server)
     hs = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{s.host}:{s.port}")
+    if bool(s.tls_cert_file) != bool(s.tls_key_file):
+        raise ValueError("TLS needs both a certificate and a key file")
+    if s.tls_cert_file:
+        creds = grpc.ssl_server_credentials([(Path(s.tls_key_file).read_bytes(), Path(s.tls_cert_file).read_bytes())])
+        port = server.add_secure_port(f"{s.host}:{s.port}", creds)
+    else:
+        port = server.add_insecure_port(f"{s.host}:{s.port}")
     if port == 0:
         engine.close()
         store.close()

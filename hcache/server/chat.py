@@ -13,8 +13,16 @@ from hcache.client import METHODS, Client
 HELP = "commands: /restore [auto|hidden|kv|recompute]  /evict  /session  /stats  /help  /quit"
 
 
-def run(target: str, session_id: str | None, system_prompt: str, max_new_tokens: int, out: TextIO = sys.stdout) -> int:
-    with Client(target) as c:
+def run(
+    target: str,
+    session_id: str | None,
+    system_prompt: str,
+    max_new_tokens: int,
+    api_key: str | None = None,
+    root_cert: bytes | None = None,
+    out: TextIO = sys.stdout,
+) -> int:
+    with Client(target, api_key=api_key, root_cert=root_cert) as c:
         try:
             sid = session_id or c.create_session(system_prompt).session_id
         except grpc.RpcError as e:

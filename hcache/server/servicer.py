@@ -17,6 +17,7 @@ from hcache.engine.errors import EngineError, InvalidArgument
 from hcache.engine.sampler import SamplingParams
 from hcache.engine.sequence import Session
 from hcache.restore.plan import Method
+from hcache.server.auth import tenant_var
 from hcache.storage.errors import StorageError, StorageFull, UnknownOwner
 from hcache.v1 import hcache_pb2 as pb
 from hcache.v1 import hcache_pb2_grpc as pb_grpc
@@ -107,13 +108,16 @@ class Servicer(pb_grpc.HCacheServicer):
 
     @rpc
     def CreateSession(self, request: pb.CreateSessionRequest, context: grpc.ServicerContext) -> pb.Session:
-        s = self.engine.create_session(request.system_prompt, list(request.context_ids), dict(request.labels))
+        s = self.engine.create_session(
+            request.system_prompt, list(request.context_ids), dict(request.labels), tenant_var.get()
+        )
         return session_pb(s)
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         try:
             params, stops = sampling_of(request, self.engine.cfg.default_max_new_tokens)
-            seq = self.engine.generate(request.session_id, request.message, list(request.token_ids), params, stops)
+            ids = list(request.token_ids)
+            seq = self.engine.generate(request.session_id, request.message, ids, params, stops, tenant_var.get())
         except Exception as e:
             _abort(context, e)
             return
@@ -148,7 +152,7 @@ class Servicer(pb_grpc.HCacheServicer):
     def RestoreSession(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.RestoreResponse:
         if request.method not in METHODS:
             raise InvalidArgument(f"unknown restore method {request.method}")
-        r = self.engine.restore(request.session_id, METHODS[request.method])
+        r = self.engine.restore(request.session_id, METHODS[request.method], tenant_var.get())
         return pb.RestoreResponse(
             restore_ms=r.get("restore_ms", 0.0),
             plan=_plan_pb(r.get("plan", {}), r.get("layers", "")),
@@ -161,21 +165,21 @@ class Servicer(pb_grpc.HCacheServicer):
 
     @rpc
     def EvictSession(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.Session:
-        return session_pb(self.engine.evict(request.session_id))
+        return session_pb(self.engine.evict(request.session_id, tenant_var.get()))
 
     @rpc
     def DeleteSession(self, request: pb.SessionRef, context: grpc.ServicerContext) -> empty_pb2.Empty:
-        self.engine.delete(request.session_id)
+        self.engine.delete(request.session_id, tenant_var.get())
         return empty_pb2.Empty()
 
     @rpc
     def GetSession(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.Session:
-        return session_pb(self.engine.get(request.session_id))
+        return session_pb(self.engine.get(request.session_id, tenant_var.get()))
 
     @rpc
     def ListSessions(self, request: pb.ListSessionsRequest, context: grpc.ServicerContext) -> pb.ListSessionsResponse:
         size = min(request.page_size or 100, MAX_PAGE)
-        sessions = self.engine.list()
+        sessions = self.engine.list(tenant=tenant_var.get())
         # the page token is the last id of the previous page: stable while sessions come and go
         rest = [s for s in sessions if s.id > request.page_token] if request.page_token else sessions
         page = rest[:size]
@@ -186,7 +190,9 @@ class Servicer(pb_grpc.HCacheServicer):
 
     @rpc
     def PrecomputeContext(self, request: pb.PrecomputeContextRequest, context: grpc.ServicerContext) -> pb.Context:
-        c = self.engine.precompute_context(request.text, list(request.token_ids), dict(request.labels))
+        c = self.engine.precompute_context(
+            request.text, list(request.token_ids), dict(request.labels), tenant_var.get()
+        )
         return pb.Context(context_id=c.id, num_tokens=len(c.tokens), labels=c.labels)
 
     @rpc
