@@ -24,7 +24,7 @@ from hcache.restore import profiler
 from hcache.restore.profile import Profile
 from hcache.server.auth import AuthInterceptor, load_keys
 from hcache.server.http import SidePort
-from hcache.server.interceptors import CountingInterceptor
+from hcache.server.interceptors import CountingInterceptor, ParsingInterceptor
 from hcache.server.metrics import Metrics
 from hcache.server.servicer import Servicer
 from hcache.storage.store import ChunkStore, StorageConfig
@@ -103,6 +103,7 @@ def start(cfg: Config, profile: Profile | None = None, loaded: LoadedModel | Non
     ]
     if s.api_keys_file:
         interceptors.append(AuthInterceptor(load_keys(s.api_keys_file)))
+    interceptors.append(ParsingInterceptor())
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=s.workers), interceptors=interceptors, options=opts)
     pb_grpc.add_HCacheServicer_to_server(Servicer(engine), server)
     hs = health.HealthServicer()

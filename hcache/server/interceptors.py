@@ -57,3 +57,34 @@ class CountingInterceptor(grpc.ServerInterceptor):
                 stream, handler.request_deserializer, handler.response_serializer
             )
         return handler
+
+
+class ParsingInterceptor(grpc.ServerInterceptor):
+    """Parses requests inside the call, so a malformed one is INVALID_ARGUMENT with a reason
+    (grpc's own deserialization failure would end the call as INTERNAL)."""
+
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+
+        def parsed(raw: bytes, ctx: grpc.ServicerContext) -> Any:
+            try:
+                return parse(raw)
+            except Exception as e:  # protobuf's DecodeError, or anything a parser raises
+                ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {e}")
+
+        if handler.unary_unary:
+            inner = handler.unary_unary
+            return grpc.unary_unary_rpc_method_handler(
+                lambda raw, ctx: inner(parsed(raw, ctx), ctx), None, handler.response_serializer
+            )
+        if handler.unary_stream:
+            inner_s = handler.unary_stream
+
+            def stream(raw: bytes, ctx: grpc.ServicerContext) -> Iterator[Any]:
+                yield from inner_s(parsed(raw, ctx), ctx)
+
+            return grpc.unary_stream_rpc_method_handler(stream, None, handler.response_serializer)
+        return handler
