@@ -31,10 +31,12 @@ def profile_for(model: DecoderModel) -> Profile:
     return Profile.hypothetical(Geometry.of(model.cfg, torch.finfo(model.dtype).bits // 8), 0.2, 1.0)
 
 
-def make_engine(model: DecoderModel, tok: Tokenizer, dirs: list[Path], **cfg: object) -> tuple[Engine, ChunkStore]:
+def make_engine(
+    model: DecoderModel, tok: Tokenizer, dirs: list[Path], storage: dict | None = None, **cfg: object
+) -> tuple[Engine, ChunkStore]:
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
-    store = ChunkStore(StorageConfig([str(d) for d in dirs]), model.cfg, model.dtype)
+    store = ChunkStore(StorageConfig([str(d) for d in dirs], **(storage or {})), model.cfg, model.dtype)
     ecfg = EngineConfig(**{"store_kinds": "both", "kv_budget_bytes": 64 << 20, **cfg})  # type: ignore[arg-type]
     return Engine(model, tok, store, profile_for(model), ecfg), store
 

@@ -1,0 +1,213 @@
+"""Faults the engine meets in production, each with the output checked against a
+never-evicted reference: a full storage directory, a saturated staging ring, a throttled
+slow directory and a corrupt chunk (tiny model); kill -9 of a server process during
+prefill, during flushing and during restore, then a restart (default model)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from engine_helpers import make_engine, profile_for, reference, turn, word_tokenizer
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_serve_cli import free_port
+
+from hcache.client import Client
+from hcache.engine.errors import ResourceExhausted
+from hcache.engine.generate import ChatSession
+from hcache.engine.sampler import SamplingParams
+from hcache.model.loader import load
+from hcache.restore.plan import Method
+
+
+def rand_ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(300) for _ in range(n)]
+
+
+# --- kill -9 of a server process -------------------------------------------------------------
+SYSTEM = "You are a helpful assistant."
+TURNS = ["Name three colors.", "Which one is the color of the sky?"]
+LONG = "Here are my notes: " + " ".join(f"item {i} is a small blue stone." for i in range(350))
+
+
+def expected(m, tok, acked: list[str], msg: str, p: SamplingParams) -> str:
+    """What a never-interrupted session answers to `msg` after the acknowledged turns."""
+    ref = ChatSession(m, tok, SYSTEM)
+    for t in acked:
+        ref.reply(t, p)
+    return ref.reply(msg, p)[0]
+
+
+@pytest.fixture
+def tiny(tiny_folder):
+    return load(str(tiny_folder("llama_gqa"))).model
+
+
+def test_full_directory_refuses_the_turn_and_keeps_state(default_model, tmp_path):
+    m, tok = default_model.model, default_model.tokenizer
+    eng, store = make_engine(m, tok, [tmp_path / "s"], store_kinds="kv", kv_budget_bytes=256 << 20)
+    try:
+        p = SamplingParams(max_new_tokens=6)
+        s = eng.create_session(SYSTEM)
+        _, _ = turn(eng, s.id, message=TURNS[0], params=p)
+        before = store.owner_row(s.id)
+        store.cfg.quota_bytes = store.usage()[0].slab_bytes  # the directory is now full
+        with pytest.raises(ResourceExhausted, match="full"):
+            turn(eng, s.id, message=LONG[:3000], params=p)  # needs new slots for full chunks
+        after = store.owner_row(s.id)
+        assert (after.tokens, after.meta) == (before.tokens, before.meta)
+        assert not eng.get(s.id).busy and not eng.get(s.id).resident
+        store.cfg.quota_bytes = 0  # the operator makes room
+        # the session goes on from its last durable turn, exactly
+        got2, _ = turn(eng, s.id, message=TURNS[1], params=p)
+        assert tok.decode(got2) == expected(m, tok, TURNS[:1], TURNS[1], p)
+    finally:
+        eng.close()
+        store.close()
+
+
+def test_saturated_staging_ring_blocks_and_loses_nothing(tiny, tmp_path):
+    eng, store = make_engine(
+        tiny, word_tokenizer(300), [tmp_path / "s"], storage={"staging_bytes": 96 << 10}, piece_tokens=64
+    )
+    try:
+        slow = store.packer._pack  # a packer that falls behind (a stalled disk upstream): the ring fills
+
+        def lagging(batch):
+            time.sleep(0.03)
+            slow(batch)
+
+        store.packer._pack = lagging
+        rng = random.Random(2)
+        p = SamplingParams(max_new_tokens=30)
+        sessions = [eng.create_session() for _ in range(4)]
+        prompts = [rand_ids(rng, 200) for _ in sessions]
+        seqs = [eng.generate(s.id, token_ids=ids, params=p) for s, ids in zip(sessions, prompts, strict=True)]
+        outs = [[t for ev in eng.stream(q) for t in ev.token_ids] for q in seqs]
+        assert store.ring.waits > 0  # the producer was blocked, counted
+        for s, ids, out in zip(sessions, prompts, outs, strict=True):
+            assert out == reference(tiny, ids, p, set())
+            eng.evict(s.id)
+            eng.restore(s.id, Method.KV)  # everything staged reached storage intact
+            new = rand_ids(rng, 5)
+            got, _ = turn(eng, s.id, token_ids=new, params=SamplingParams(max_new_tokens=3))
+            assert got == reference(tiny, ids + out + new, SamplingParams(max_new_tokens=3), set())
+    finally:
+        eng.close()
+        store.close()
+
+
+def test_throttled_directory_is_slow_but_exact(tiny, tmp_path):
+    eng, store = make_engine(tiny, word_tokenizer(300), [tmp_path / "s"], store_kinds="kv")
+    try:
+        rng = random.Random(3)
+        p = SamplingParams(max_new_tokens=4)
+        s = eng.create_session()
+        ids = rand_ids(rng, 200)
+        got, _ = turn(eng, s.id, token_ids=ids, params=p)
+        nbytes = 3 * 200 * 2 * tiny.cfg.kv_dim * 4
+        eng.evict(s.id)
+        store.set_read_cap(nbytes / 0.5 / 1e6)  # half a second for the whole state
+        r = eng.restore(s.id, Method.KV)
+        assert r["restore_ms"] > 300
+        store.set_read_cap(0)
+        new = rand_ids(rng, 6)
+        got2, _ = turn(eng, s.id, token_ids=new, params=p)
+        assert got2 == reference(tiny, ids + got + new, p, set())
+    finally:
+        eng.close()
+        store.close()
+
+
+class Server:
+    def __init__(self, tmp_path, profile, method: str = "auto"):
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "hcache.cli", "serve", "--port", str(self.port), "--http-port", "-1"]
+        cmd += ["--dirs", str(tmp_path / "d0"), str(tmp_path / "d1"), "--profile", str(profile)]
+        cmd += ["--restore-method", method, "--kv-budget-mb", "512"]
+        env = {**os.environ, "HCACHE_HOME": str(tmp_path / "home")}
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.target = f"127.0.0.1:{self.port}"
+        with grpc.insecure_channel(self.target) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                        return
+                except grpc.RpcError:
+                    pass
+                assert self.proc.poll() is None and time.monotonic() < deadline, "server did not start"
+                time.sleep(0.3)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+
+@pytest.mark.slow
+def test_kill9_during_prefill_flush_and_restore_loses_no_acknowledged_turn(default_model, tmp_path):
+    m, tok = default_model.model, default_model.tokenizer
+    prof = tmp_path / "profile.json"
+    profile_for(m).save(prof)
+    p = SamplingParams(max_new_tokens=12)
+    last = "Thanks. And the color of grass?"
+
+    def session(srv: Server, turns: list[str]) -> tuple[str, int]:
+        with Client(srv.target) as c:
+            sid = c.create_session(SYSTEM).session_id
+            for t in turns:
+                c.reply(sid, t, max_new_tokens=12)
+            return sid, c.get(sid).num_tokens
+
+    def continues(sid: str, acked: list[str], n_tokens: int) -> None:
+        """After a restart: the session is exactly its acknowledged turns, and goes on exactly."""
+        srv = Server(tmp_path, prof)
+        try:
+            with Client(srv.target) as c:
+                s = c.get(sid)
+                assert (s.num_tokens, s.turns, s.resident) == (n_tokens, len(acked), False)
+                assert c.reply(sid, last, max_new_tokens=12).text == expected(m, tok, acked, last, p)
+                c.delete(sid)
+        finally:
+            srv.kill()
+
+    # 1. killed while prefilling a long message
+    srv = Server(tmp_path, prof)
+    sid, n = session(srv, TURNS)
+    with Client(srv.target) as c:
+        stream = c.generate(sid, LONG, max_new_tokens=12)
+        time.sleep(1.5)
+        srv.kill()
+        with pytest.raises(grpc.RpcError):
+            list(stream)
+    continues(sid, TURNS, n)
+
+    # 2. killed while a long reply is decoded and its rows are being flushed
+    srv = Server(tmp_path, prof)
+    sid, n = session(srv, TURNS)
+    with Client(srv.target) as c:
+        stream = c.generate(sid, "Write a long poem about the sea.", max_new_tokens=300)
+        for _ in range(10):
+            next(stream)
+        srv.kill()
+    continues(sid, TURNS, n)
+
+    # 3. killed while restoring a long session by recompute (several seconds)
+    srv = Server(tmp_path, prof)
+    acked = [TURNS[0], LONG]
+    sid, n = session(srv, acked)
+    srv.kill()
+    srv = Server(tmp_path, prof, "recompute")
+    with Client(srv.target) as c:
+        stream = c.generate(sid, last, max_new_tokens=12)
+        time.sleep(1.5)
+        assert c.get(sid).busy  # still restoring
+        srv.kill()
+    continues(sid, acked, n)
