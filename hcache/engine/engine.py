@@ -7,6 +7,8 @@ Everything that changes sessions or the pool happens under `self.lock`."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import math
 import threading
@@ -38,6 +40,14 @@ from hcache.storage.store import ChunkStore
 
 log = logging.getLogger(__name__)
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
+TRIM_EVERY_S = 5.0
+
+
+def _trim_heap() -> None:
+    """Hand freed heap pages back to the OS when the engine is idle. glibc keeps them per
+    arena otherwise, and with one thread per open stream resident memory creeps up."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 @dataclass
@@ -79,6 +89,7 @@ class Engine:
         self.draining = False
         self._wake = threading.Event()
         self._stop = False
+        self._trimmed = 0.0
         self._finisher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hcache-durable")
         self._thread = threading.Thread(target=self._loop, name="hcache-engine", daemon=True)
         self._thread.start()
@@ -341,6 +352,9 @@ class Engine:
                             self._fail(seq, EngineError("internal error in the engine; see the server log"))
                     worked = True
                 if not worked:
+                    if time.monotonic() - self._trimmed > TRIM_EVERY_S:
+                        _trim_heap()
+                        self._trimmed = time.monotonic()
                     self._wake.wait(0.05)
                     self._wake.clear()
 

@@ -94,7 +94,9 @@ class Packer(threading.Thread):
                 elif isinstance(item, FlushTail):
                     item.done.set_result(self._flush_tail(item.owner, item.write_tail))
                 elif isinstance(item, Forget):
-                    self.owners.pop(item.owner, None)
+                    st = self.owners.pop(item.owner, None)
+                    for (_, kind), buf in st.chunks.items() if st else ():
+                        self.store.free_chunk(kind, buf)
                     item.done.set_result(None)
             except Exception as e:  # the caller waiting on this item gets the error; packing goes on
                 log.exception("packer: %s", e)
@@ -162,17 +164,21 @@ class Packer(threading.Thread):
         self.store.dispatch(w)
 
     def _flush_tail(self, owner: str, write_tail: bool) -> tuple[list[Future], int]:
+        """The open tail chunks themselves go to disk and leave memory: an idle session holds
+        no buffers here (a tail per layer is 50-100 KB), and its next rows reload the tail."""
         st = self.owners.get(owner)
-        if st is None and not write_tail:
-            return [], 0
-        st = self._owner(owner)
+        if st is None:
+            if not write_tail:
+                return [], 0
+            row = self.store.owner_row(owner)  # nothing open: what is on disk is current
+            st = self.owners[owner] = OpenOwner(self.store.layer_kinds(row), row.num_tokens)
         n = st.next_token % CHUNK_TOKENS
-        if n and write_tail:
+        if n and write_tail and st.loaded:
             idx = st.next_token // CHUNK_TOKENS
             for (layer, kind), buf in sorted(st.chunks.items(), key=lambda kv: kv[0]):
-                copy = self.store.new_chunk(kind)  # the open chunk keeps filling
-                copy.mem[:] = buf.mem
-                self._emit(owner, st, layer, idx, kind, copy, n)
+                self._emit(owner, st, layer, idx, kind, buf, n)
+            st.chunks.clear()
+            st.loaded = False
         return list(st.pending), st.next_token
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import logging
+import math
 import os
 import shutil
 import threading
@@ -280,7 +281,7 @@ class ChunkStore:
                     self.slab(*key).truncate(high)  # give trailing space back to the filesystem
 
     def _forget(self, owner: str) -> None:
-        """Wait for the owner's queued writes, then drop its packing state."""
+        """Wait for the owner's queued writes, then drop its packing state and write versions."""
         drained = _future()
         self.packer.inbox.put(FlushTail(owner, drained, write_tail=False))
         pending, _ = drained.result()
@@ -289,6 +290,9 @@ class ChunkStore:
         done = _future()
         self.packer.inbox.put(Forget(owner, done))
         done.result()
+        with self.lock:
+            for key in [k for k in self.seqs if k[0] == owner]:
+                del self.seqs[key]
 
     # --- called by the packer and writers ---------------------------------------
     def new_chunk(self, kind: Kind) -> ChunkBuf:
@@ -306,18 +310,23 @@ class ChunkStore:
         return wrap
 
     def take_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A layer-sized read buffer, reused across restores: fresh memory costs page faults."""
+        """A layer-sized read buffer, reused across restores (fresh memory costs page faults).
+        Buffers come in power-of-two size classes, so sessions of every length share a few."""
+        n = max(1, math.prod(shape))
+        size = 1 << max(16, (n - 1).bit_length())
         with self.lock:
-            free = self._buffers.get(shape)
-            if free:
-                return free.pop()
-        return torch.empty(shape, dtype=self.dtype)
+            free = self._buffers.get((size,))
+            flat = free.pop() if free else None
+        if flat is None:
+            flat = torch.empty(size, dtype=self.dtype)
+        return flat[:n].view(shape)
 
     def give_buffer(self, t: torch.Tensor) -> None:
+        flat = t._base if t._base is not None else t
         with self.lock:
-            free = self._buffers.setdefault(tuple(t.shape), [])
+            free = self._buffers.setdefault((flat.numel(),), [])
             if len(free) < self.cfg.prefetch_layers + 2:
-                free.append(t)
+                free.append(flat)
 
     def dispatch(self, w: ChunkWrite) -> None:
         """Place a chunk: its home directory, or the next one with room; then queue its write."""
