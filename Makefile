@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip
 PIN    := -c requirements/constraints.txt
 ARGS   ?=
 
-.PHONY: serve chat demo test lint proto bench-serve clean
+.PHONY: serve chat demo test lint proto bench bench-peers bench-serve clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -41,6 +41,22 @@ proto: $(VENV)/.test
 
 bench-serve: $(VENV)/.test
 	$(PY) bench/serve.py $(ARGS)
+
+# llama-cpp-python builds llama.cpp from source (about 12 minutes, once); never part of CI.
+$(VENV)/.peers: $(VENV)/.test
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install $(PIN) llama-cpp-python
+	touch $@
+
+bench-peers: $(VENV)/.peers
+	$(PY) bench/peers.py $(ARGS)
+
+# Every benchmark (about an hour on 2 cores), then bench/RESULTS.md.
+bench: bench-peers
+	$(PY) bench/storage.py
+	$(PY) bench/restore.py
+	$(PY) bench/engine.py
+	$(PY) bench/serve.py
+	$(PY) bench/results.py
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check hcache tests bench

@@ -8,6 +8,7 @@ with Client("localhost:50051") as c:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,3 +155,25 @@ class Client:
 
     def stats(self) -> pb.Stats:
         return self.stub.GetStats(empty_pb2.Empty(), timeout=self.timeout)
+
+
+def wait_for_server(target: str, timeout: float = 120, alive: Callable[[], bool] = lambda: True) -> None:
+    """Block until the server at `target` reports SERVING on grpc.health.v1 (its start loads the
+    model); raise if `alive()` turns false or `timeout` seconds pass first."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            try:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
+                    return
+            except grpc.RpcError:
+                pass
+            if not alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server at {target} did not become ready")
+            time.sleep(0.3)

@@ -15,10 +15,9 @@ import time
 import grpc
 import pytest
 from engine_helpers import make_engine, profile_for, reference, turn, word_tokenizer
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_serve_cli import free_port
 
-from hcache.client import Client
+from hcache.client import Client, wait_for_server
 from hcache.engine.errors import ResourceExhausted
 from hcache.engine.generate import ChatSession
 from hcache.engine.sampler import SamplingParams
@@ -134,17 +133,7 @@ class Server:
         env = {**os.environ, "HCACHE_HOME": str(tmp_path / "home")}
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.target = f"127.0.0.1:{self.port}"
-        with grpc.insecure_channel(self.target) as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                        return
-                except grpc.RpcError:
-                    pass
-                assert self.proc.poll() is None and time.monotonic() < deadline, "server did not start"
-                time.sleep(0.3)
+        wait_for_server(self.target, alive=lambda: self.proc.poll() is None)
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

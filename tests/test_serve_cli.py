@@ -13,9 +13,8 @@ import time
 import grpc
 import pytest
 from engine_helpers import profile_for
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hcache.client import Client
+from hcache.client import Client, wait_for_server
 
 pytestmark = pytest.mark.slow
 
@@ -36,18 +35,11 @@ def served(tmp_path, default_model):
     cmd += ["--dirs", str(tmp_path / "d0"), str(tmp_path / "d1"), "--kv-budget-mb", "256", "--http-port", "0"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     target = f"127.0.0.1:{port}"
-    with grpc.insecure_channel(target) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    break
-            except grpc.RpcError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start:\n{proc.stdout.read() if proc.stdout else ''}")
-            time.sleep(0.3)
+    try:
+        wait_for_server(target, alive=lambda: proc.poll() is None)
+    except RuntimeError:
+        proc.kill()
+        raise RuntimeError(f"server did not start:\n{proc.communicate()[0]}") from None
     yield proc, target
     if proc.poll() is None:
         proc.kill()

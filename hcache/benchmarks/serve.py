@@ -28,10 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hcache.benchmarks import report
-from hcache.client import Client
+from hcache.client import Client, wait_for_server
 
 WORDS = (  # noqa: SIM905 - a word list reads better as text
     "the river city bridge stone light market winter garden letter music harbor story mountain "
@@ -97,18 +96,11 @@ def start_server(args: argparse.Namespace, method: str, root: Path) -> tuple[sub
     log = open(root / "server.log", "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     target = f"127.0.0.1:{port}"
-    with grpc.insecure_channel(target) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        deadline = time.monotonic() + 600  # the first start may profile the machine
-        while True:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return proc, target
-            except grpc.RpcError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start; see {root / 'server.log'}")
-            time.sleep(0.5)
+    try:  # the first start may profile the machine
+        wait_for_server(target, timeout=600, alive=lambda: proc.poll() is None)
+    except RuntimeError:
+        raise RuntimeError(f"server did not start; see {root / 'server.log'}") from None
+    return proc, target
 
 
 def run_trace(target: str, trace: list[SessionPlan], seed: int) -> Result:

@@ -1,0 +1,323 @@
+"""hcache against the systems a user would otherwise pick, on the default GGUF model,
+in one run on this machine.
+
+- llama.cpp (llama-cpp-python, loaded with use_extra_bufts=False): prefill (token
+  recompute); per-sequence state saved to a file and loaded back; the TTFT of a new
+  32-token turn after the load. The state file is fsync'ed and then dropped from the
+  page cache with posix_fadvise(DONTNEED) before it is loaded, so its load reads the disk.
+- transformers: prefill.
+- hcache: restore by auto, KV, H and RE from O_DIRECT storage, then the same new turn;
+  and the fused TTFT after eviction (restore + turn in one layer-wise pipeline).
+- Decode: time between tokens at batch 1, aggregate tokens/s at batch 8 and 32.
+JSON in bench/results/peers.json (plots and RESULTS.md by bench/report.py)."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import platform
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hcache.benchmarks import report
+from hcache.config import EngineConfig
+from hcache.engine.engine import Engine
+from hcache.engine.sampler import SamplingParams
+from hcache.model.loader import default_model_path, load
+from hcache.restore import profiler
+from hcache.restore.plan import Method
+from hcache.storage.store import ChunkStore, StorageConfig
+
+TURN = 32
+
+
+def _llama(n_ctx: int, threads: int) -> Any:
+    import llama_cpp
+
+    base = llama_cpp.llama_model_default_params
+
+    def without_extra_bufts() -> Any:  # its AMX repacking kernels crash on this CPU
+        p = base()
+        p.use_extra_bufts = False
+        return p
+
+    llama_cpp.llama_model_default_params = without_extra_bufts
+    try:
+        return llama_cpp.Llama(
+            model_path=str(default_model_path()),
+            n_ctx=n_ctx,
+            n_batch=512,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
+    finally:
+        llama_cpp.llama_model_default_params = base
+
+
+def _drop_from_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def llama_cpp_rows(doc: list[int], turn: list[int], contexts: list[int], scratch: Path, threads: int) -> list[dict]:
+    import llama_cpp
+
+    llm = _llama(max(contexts) + 2 * TURN, threads)
+    rows = []
+    for n in contexts:
+        ids = doc[:n]
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(ids)
+        prefill = time.perf_counter() - t
+        path = scratch / f"llama-seq-{n}.bin"
+        arr = (llama_cpp.llama_token * n)(*ids)
+        t = time.perf_counter()
+        nbytes = llama_cpp.llama_state_seq_save_file(llm.ctx, str(path).encode(), 0, arr, n)
+        save = time.perf_counter() - t
+        _drop_from_page_cache(path)
+        llm.reset()
+        out = (llama_cpp.llama_token * (n + 1))()
+        got = ctypes.c_size_t(0)
+        t = time.perf_counter()
+        loaded = llama_cpp.llama_state_seq_load_file(llm.ctx, str(path).encode(), 0, out, n + 1, ctypes.byref(got))
+        load_s = time.perf_counter() - t
+        if not loaded or got.value != n:
+            raise RuntimeError(f"llama.cpp could not load its state back ({got.value} of {n} tokens)")
+        llm.n_tokens = n
+        llm.input_ids[:n] = ids
+        t = time.perf_counter()
+        llm.eval(turn)
+        int(llm.scores[llm.n_tokens - 1].argmax())  # the first token of the reply
+        turn_s = time.perf_counter() - t
+        rows.append(
+            {
+                "system": "llama.cpp",
+                "tokens": n,
+                "prefill_ms": prefill * 1e3,
+                "save_ms": save * 1e3,
+                "state_bytes": nbytes,
+                "load_ms": load_s * 1e3,
+                "turn_ms": turn_s * 1e3,
+                "ttft_after_eviction_ms": (load_s + turn_s) * 1e3,
+            }
+        )
+        path.unlink()
+        print(f"llama.cpp {n}: {rows[-1]}", flush=True)
+    return rows
+
+
+def _fill(batch: Any, items: list[tuple[int, int, int, bool]]) -> None:
+    """(token, position, sequence, wants logits) per row of a llama_batch."""
+    batch.n_tokens = len(items)
+    for k, (tok, pos, seq, logits) in enumerate(items):
+        batch.token[k], batch.pos[k], batch.n_seq_id[k] = tok, pos, 1
+        batch.seq_id[k][0], batch.logits[k] = seq, logits
+
+
+def llama_cpp_decode(doc: list[int], batches: list[int], prompt: int, steps: int, threads: int) -> dict[str, float]:
+    """Batch 1 through the high-level API; batch B with B sequences in one llama_batch per step."""
+    import llama_cpp
+    import numpy as np
+
+    out: dict[str, float] = {}
+    llm = _llama(max(batches) * (prompt + steps + 8), threads)
+    llm.eval(doc[:prompt])
+    tbt = []
+    for i in range(steps):
+        t = time.perf_counter()
+        llm.eval([doc[prompt + i]])
+        tbt.append(time.perf_counter() - t)
+    out["tbt_b1_ms"] = statistics.median(tbt) * 1e3
+    for b in [x for x in batches if x > 1]:
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch = b * (prompt + steps + 8), 512, 512
+        params.n_seq_max, params.n_threads, params.n_threads_batch = b, threads, threads
+        ctx = llama_cpp.llama_init_from_model(llm._model.model, params)
+        batch = llama_cpp.llama_batch_init(max(prompt, b), 0, 1)
+        vocab = llm.n_vocab()
+
+        try:
+            for s in range(b):
+                _fill(batch, [(doc[(s * 7 + j) % len(doc)], j, s, j == prompt - 1) for j in range(prompt)])
+                if llama_cpp.llama_decode(ctx, batch) != 0:
+                    raise RuntimeError("llama_decode failed")
+            nxt = [0] * b
+            times = []
+            for step in range(steps):
+                _fill(batch, [(nxt[s], prompt + step, s, True) for s in range(b)])
+                t = time.perf_counter()
+                if llama_cpp.llama_decode(ctx, batch) != 0:
+                    raise RuntimeError("llama_decode failed")
+                for s in range(b):
+                    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, s), shape=(vocab,))
+                    nxt[s] = int(logits.argmax())
+                times.append(time.perf_counter() - t)
+            out[f"tokens_per_s_b{b}"] = b / statistics.median(times)
+        finally:
+            llama_cpp.llama_batch_free(batch)
+            llama_cpp.llama_free(ctx)
+    return out
+
+
+def transformers_rows(doc: list[int], contexts: list[int], max_tokens: int) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    p = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).eval()
+    rows = []
+    for n in contexts:
+        if n > max_tokens:
+            continue
+        with torch.inference_mode():
+            t = time.perf_counter()
+            model(torch.tensor([doc[:n]]), use_cache=True)
+            rows.append({"system": "transformers", "tokens": n, "prefill_ms": (time.perf_counter() - t) * 1e3})
+        print(f"transformers {n}: {rows[-1]}", flush=True)
+    return rows
+
+
+def hcache_rows(args: argparse.Namespace, doc: list[int], turn: list[int]) -> tuple[list[dict], dict[str, float]]:
+    lm = load("default", args.dtype)
+    dirs = [Path(d) for d in args.dirs] if args.dirs else [Path(tempfile.mkdtemp(prefix="hcache-peers-"))]
+    roots = [Path(tempfile.mkdtemp(dir=d)) for d in dirs]
+    prof = profiler.load_or_run(lm.model, dirs, Path(args.profile_dir))
+    store = ChunkStore(StorageConfig([str(r) for r in roots]), lm.model.cfg, lm.model.dtype)
+    engine = Engine(lm.model, lm.tokenizer, store, prof, EngineConfig(kv_budget_bytes=4 << 30, store_kinds="both"))
+    rows: list[dict] = []
+    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    try:
+        for n in args.contexts:
+            t = time.perf_counter()
+            ctx = engine.precompute_context(token_ids=doc[:n])
+            row: dict[str, Any] = {"system": "hcache", "tokens": n, "prefill_ms": (time.perf_counter() - t) * 1e3}
+            for name, method in (
+                ("auto", None),
+                ("kv", Method.KV),
+                ("hidden", Method.HIDDEN),
+                ("re", Method.RECOMPUTE),
+            ):
+                s = engine.create_session(context_ids=[ctx.id])
+                r = engine.restore(s.id, method)
+                seq = engine.generate(s.id, token_ids=turn, params=one)
+                st = next(ev.stats for ev in engine.stream(seq) if ev.finished) or {}
+                row[f"restore_{name}_ms"] = r["restore_ms"]
+                row[f"turn_after_{name}_ms"] = st["ttft_ms"]
+                row[f"bytes_{name}"] = r["bytes_read"]
+                if name == "auto":
+                    row["auto_plan"] = r["layers"]
+                engine.delete(s.id)
+            s = engine.create_session(context_ids=[ctx.id])  # evicted session, new turn: restore fused
+            seq = engine.generate(s.id, token_ids=turn, params=one)
+            st = next(ev.stats for ev in engine.stream(seq) if ev.finished) or {}
+            row["ttft_after_eviction_ms"] = st["ttft_ms"]
+            engine.delete(s.id)
+            rows.append(row)
+            print(f"hcache {n}: {row}", flush=True)
+        decode = _hcache_decode(engine, doc, args.batches, args.decode_prompt, args.decode_steps)
+    finally:
+        engine.close()
+        store.close()
+    return rows, decode
+
+
+def _hcache_decode(engine: Engine, doc: list[int], batches: list[int], prompt: int, steps: int) -> dict[str, float]:
+    out = {}
+    params = SamplingParams(max_new_tokens=steps, ignore_eos=True)
+    for b in batches:
+        sessions = [engine.create_session() for _ in range(b)]
+        seqs = [
+            engine.generate(s.id, token_ids=[doc[(i * 7 + j) % len(doc)] for j in range(prompt)], params=params)
+            for i, s in enumerate(sessions)
+        ]
+        stats = [next(ev.stats for ev in engine.stream(q) if ev.finished) or {} for q in seqs]
+        # steps where every sequence decodes together: the later half of each sequence's gaps
+        gaps = [g for st in stats for g in st["tbt_ms"][len(st["tbt_ms"]) // 2 :]]
+        med = statistics.median(gaps)
+        out["tbt_b1_ms" if b == 1 else f"tokens_per_s_b{b}"] = med if b == 1 else b / (med / 1e3)
+        for s in sessions:
+            engine.delete(s.id)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hcache bench peers", description=__doc__)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8000])
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--dirs", nargs="+", help="storage directories (default: a temp dir)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--decode-prompt", type=int, default=128)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--transformers-max", type=int, default=8192, help="skip transformers above this context")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["llama.cpp", "transformers", "hcache"])
+    ap.add_argument("--profile-dir", default=str(Path.home() / ".cache/hcache/profiles"))
+    ap.add_argument("--out", default="bench/results/peers.json")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rng = random.Random(0)
+    doc = [rng.randrange(100, 49000) for _ in range(max(args.contexts) + 64)]
+    turn = [rng.randrange(100, 49000) for _ in range(TURN)]
+    scratch = Path(args.dirs[0]) if args.dirs else Path(tempfile.mkdtemp())
+    data: dict[str, Any] = {"rows": [], "decode": {}, "machine": machine(), "args": vars(args)}
+    if "hcache" not in args.skip:
+        rows, dec = hcache_rows(args, doc, turn)
+        data["rows"] += rows
+        data["decode"]["hcache"] = dec
+    if "llama.cpp" not in args.skip:
+        data["rows"] += llama_cpp_rows(doc, turn, args.contexts, scratch, args.threads)
+        data["decode"]["llama.cpp"] = llama_cpp_decode(
+            doc, args.batches, args.decode_prompt, args.decode_steps, args.threads
+        )
+    if "transformers" not in args.skip:
+        data["rows"] += transformers_rows(doc, args.contexts, args.transformers_max)
+
+    def table() -> None:
+        for r in data["rows"]:
+            print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()})
+        print(data["decode"])
+
+    return report(data, args.out, args.json, table)
+
+
+def machine() -> dict[str, Any]:
+    import importlib.metadata as md
+
+    def ver(p: str) -> str:
+        try:
+            return md.version(p)
+        except md.PackageNotFoundError:
+            return "-"
+
+    cpu = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "llama-cpp-python": ver("llama-cpp-python"),
+        "transformers": ver("transformers"),
+        "hcache": ver("hcache"),
+        "date": time.strftime("%Y-%m-%d"),
+    }
