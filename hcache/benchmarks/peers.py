@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import platform
 import random
@@ -73,6 +74,7 @@ def _drop_from_page_cache(path: Path) -> None:
 
 def llama_cpp_rows(doc: list[int], turn: list[int], contexts: list[int], scratch: Path, threads: int) -> list[dict]:
     import llama_cpp
+    import numpy as np
 
     llm = _llama(max(contexts) + 2 * TURN, threads)
     rows = []
@@ -100,7 +102,8 @@ def llama_cpp_rows(doc: list[int], turn: list[int], contexts: list[int], scratch
         llm.input_ids[:n] = ids
         t = time.perf_counter()
         llm.eval(turn)
-        int(llm.scores[llm.n_tokens - 1].argmax())  # the first token of the reply
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+        int(logits.argmax())  # the first token of the reply
         turn_s = time.perf_counter() - t
         rows.append(
             {
@@ -263,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--transformers-max", type=int, default=8192, help="skip transformers above this context")
     ap.add_argument("--skip", nargs="*", default=[], choices=["llama.cpp", "transformers", "hcache"])
+    ap.add_argument("--merge", action="store_true", help="keep the skipped systems' rows from --out")
     ap.add_argument("--profile-dir", default=str(Path.home() / ".cache/hcache/profiles"))
     ap.add_argument("--out", default="bench/results/peers.json")
     ap.add_argument("--json", action="store_true")
@@ -273,15 +277,25 @@ def main(argv: list[str] | None = None) -> int:
     turn = [rng.randrange(100, 49000) for _ in range(TURN)]
     scratch = Path(args.dirs[0]) if args.dirs else Path(tempfile.mkdtemp())
     data: dict[str, Any] = {"rows": [], "decode": {}, "machine": machine(), "args": vars(args)}
+    if args.merge and Path(args.out).exists():  # keep the systems this run skips
+        old = json.loads(Path(args.out).read_text())
+        data["rows"] = [r for r in old["rows"] if r["system"] in args.skip]
+        data["decode"] = {k: v for k, v in old["decode"].items() if k in args.skip}
+
+    def save() -> None:  # after each system, so a failure later keeps what was measured
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(data, indent=2))
+
     if "hcache" not in args.skip:
         rows, dec = hcache_rows(args, doc, turn)
         data["rows"] += rows
         data["decode"]["hcache"] = dec
+        save()
     if "llama.cpp" not in args.skip:
         data["rows"] += llama_cpp_rows(doc, turn, args.contexts, scratch, args.threads)
-        data["decode"]["llama.cpp"] = llama_cpp_decode(
-            doc, args.batches, args.decode_prompt, args.decode_steps, args.threads
-        )
+        dec = llama_cpp_decode(doc, args.batches, args.decode_prompt, args.decode_steps, args.threads)
+        data["decode"]["llama.cpp"] = dec
+        save()
     if "transformers" not in args.skip:
         data["rows"] += transformers_rows(doc, args.contexts, args.transformers_max)
 
