@@ -374,13 +374,14 @@ class Engine:
         while self.waiting:
             seq = self.waiting[0]
             s = seq.session
-            need = self._blocks_for(seq) - (len(s.cache.blocks) if s.cache else 0)
-            if self._blocks_for(seq) > self.pool.num_blocks:
+            blocks = self._blocks_for(seq)
+            need = blocks - (len(s.cache.blocks) if s.cache else 0)
+            if blocks > self.pool.num_blocks:
                 self.waiting.popleft()
                 self._fail(
                     seq,
                     ResourceExhausted(
-                        f"this turn needs {self._blocks_for(seq) * BLOCK_TOKENS} tokens of KV memory; "
+                        f"this turn needs {blocks * BLOCK_TOKENS} tokens of KV memory; "
                         f"the budget holds {self.pool.num_blocks * BLOCK_TOKENS}"
                     ),
                 )
@@ -490,8 +491,7 @@ class Engine:
             s.last_plan, s.last_restore_ms = seq.plan, rep.restore_ms
             counts = seq.plan.counts()
             mix = "+".join(m.short for m in Method if counts[m.value])
-            plan = f"RE {counts['recompute']} / H {counts['hidden']} / KV {counts['kv']}"
-            self.telemetry.on_restore(mix, plan, rep.restore_ms)
+            self.telemetry.on_restore(mix, seq.plan.mix(), rep.restore_ms)
         if seq.restore_only or not seq.sample:
             seq.result = self._restore_result(seq)
             self._finish(seq, "restored" if seq.restore_only else "stored")
@@ -515,7 +515,7 @@ class Engine:
             "bytes_read": rep.bytes_read if rep else 0,
             "fallback_layers": rep.fallback_layers if rep else 0,
             "plan": counts,
-            "layers": "".join(m.short[0] for m in seq.plan.methods) if seq.plan else "",
+            "layers": seq.plan.letters if seq.plan else "",
         }
 
     def _decode(self) -> None:
@@ -648,7 +648,7 @@ class Engine:
             "queue_ms": (seq.t_start - seq.t_submit) * 1e3 if seq.t_start else 0.0,
             "decode_ms": (end - seq.t_first) * 1e3 if seq.t_first else 0.0,
             "plan": counts,
-            "layers": "".join(m.short[0] for m in seq.plan.methods) if seq.plan else "",
+            "layers": seq.plan.letters if seq.plan else "",
             "prompt_tokens": len(seq.new_tokens),
             "cached_tokens": seq.keep,
             "completion_tokens": len(seq.generated),

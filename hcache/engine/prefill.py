@@ -69,15 +69,8 @@ class PrefillJob:
     # --- the old tokens' KV --------------------------------------------------
     def _recompute_upto(self, n_layers: int) -> None:
         """KV of layers 0..n_layers-1 for the old tokens by a forward from position 0."""
-        m, n = self.model, len(self.old)
-        dev = m.device
-        ids = torch.tensor(self.old, dtype=torch.long, device=dev)
-        positions = torch.arange(n, device=dev)
-        h, pos = m.embed(ids, positions), m.pos_context(positions)
         for layer in range(n_layers):
-            self.cache.length, self.cache._pending = 0, n
-            h = m.layers[layer](h, pos, self.cache, layer)
-        self._recomputed = max(self._recomputed, n_layers)
+            self._recompute_layer_of_prefix(layer)
 
     def _restore_layer(self, layer: int) -> Iterator[bool]:
         """Make layer `layer`'s old KV present; yields False while storage is behind."""

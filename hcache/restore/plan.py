@@ -68,6 +68,16 @@ class Plan:
         total = sum(per_layer[m] for m in self.methods)
         return total + (n_tokens * TOKEN_ID_BYTES if self.n_recompute else 0)
 
+    @property
+    def letters(self) -> str:
+        """One letter per layer: R, H or K."""
+        return "".join(m.short[0] for m in self.methods)
+
+    def mix(self) -> str:
+        """Counts per method, e.g. "RE 2 / H 0 / KV 28" (a metric label, a dashboard cell)."""
+        c = self.counts()
+        return f"RE {c['recompute']} / H {c['hidden']} / KV {c['kv']}"
+
     def __str__(self) -> str:
         parts, start = [], 0
         for i in range(1, len(self.methods) + 1):

@@ -119,7 +119,7 @@ class Metrics(Telemetry):
                     "resident": s.resident,
                     "busy": s.busy,
                     "turns": s.turns,
-                    "plan": _plan_text(s.last_plan.counts()) if s.last_plan else "",
+                    "plan": s.last_plan.mix() if s.last_plan else "",
                     "restore_ms": round(s.last_restore_ms, 1) if s.last_plan else None,
                 }
                 for s in sessions
@@ -174,10 +174,6 @@ class Metrics(Telemetry):
                 "queue_depth": e.queue_depth(),
             },
         }
-
-
-def _plan_text(counts: dict[str, int]) -> str:
-    return f"RE {counts.get('recompute', 0)} / H {counts.get('hidden', 0)} / KV {counts.get('kv', 0)}"
 
 
 class _StateCollector(Collector):

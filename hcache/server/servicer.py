@@ -73,7 +73,7 @@ def session_pb(s: Session) -> pb.Session:
         context_ids=s.context_ids,
         turns=s.turns,
         busy=s.busy,
-        last_plan=_plan_pb(plan, "".join(m.short[0] for m in s.last_plan.methods) if s.last_plan else ""),
+        last_plan=_plan_pb(plan, s.last_plan.letters if s.last_plan else ""),
         last_restore_ms=s.last_restore_ms,
         created_unix=s.created,
         updated_unix=s.updated,
