@@ -141,6 +141,7 @@ def serve(cfg: Config, profile: Profile | None = None) -> int:
 
     def on_signal(signum: int, _frame: object) -> None:
         log.info("signal %d: draining", signum)
+        run.engine.draining = True  # refuse new work at once; stop() does the rest
         done.set()
 
     signal.signal(signal.SIGTERM, on_signal)
