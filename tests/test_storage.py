@@ -289,3 +289,20 @@ def test_both_kinds_and_token_ranges(dirs) -> None:
             assert torch.equal(r.get(i, Kind.KV), expected(i, Kind.KV, n)[:, split:])
         with pytest.raises(ValueError, match="bad token range"):
             st.reader("s", wants=[Want(0, Kind.KV, 10, n)])
+
+
+def test_read_requests_grow_from_small_first_to_max():
+    """An owner's first request is small (its first layers arrive soon), then requests double
+    up to the max, and a gap between extents always ends a request."""
+    from hcache.storage.manifest import ChunkRow
+    from hcache.storage.reader import plan_requests
+
+    slot = 1 << 20
+    slots = [*range(0, 100), *range(110, 140)]  # a gap of 10 free slots after slot 99
+    rows = [ChunkRow("o", s % 30, s // 30, "h", 0, "h.x", s, 64, 0) for s in slots]
+    qs = plan_requests(rows, {"h.x": slot}, max_bytes=16 << 20, first_bytes=2 << 20)
+    counts = [q.count for q in sorted(qs, key=lambda q: q.first)]
+    assert counts == [2, 4, 8, 16, 16, 16, 16, 16, 6, 16, 14]
+    assert sum(counts) == len(slots)
+    assert all(q.first >= 110 or q.first + q.count <= 100 for q in qs)
+    assert [q.count for q in plan_requests(rows, {"h.x": slot}, max_bytes=16 << 20)][:1] == [16]

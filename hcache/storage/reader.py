@@ -51,20 +51,25 @@ class LayerSlot:
     error: ChunkError | None = None
 
 
-def plan_requests(rows: list[ChunkRow], slot_bytes: dict[str, int], max_bytes: int, max_gap: int = 2) -> list[Request]:
-    """Coalesce slots of one slab that are at most `max_gap` apart, up to `max_bytes` a request."""
+def plan_requests(
+    rows: list[ChunkRow], slot_bytes: dict[str, int], max_bytes: int, max_gap: int = 2, first_bytes: int = 0
+) -> list[Request]:
+    """Coalesce slots of one slab that are at most `max_gap` apart into requests. The first
+    request of each slab is at most `first_bytes` and each next one may be twice the last,
+    up to `max_bytes`: the first layers arrive soon, and the bulk comes in requests large
+    enough for the device's full bandwidth (small O_DIRECT requests get a fraction of it)."""
     by_slab: dict[tuple[int, str], list[ChunkRow]] = defaultdict(list)
     for r in rows:
         by_slab[(r.dir, r.slab)].append(r)
     out: list[Request] = []
     for (d, slab), rs in by_slab.items():
         rs.sort(key=lambda r: r.slot)
-        limit = max(1, max_bytes // slot_bytes[slab])
+        size = min(first_bytes or max_bytes, max_bytes)
         cur: list[ChunkRow] = []
         for r in rs:
-            if cur and (r.slot - cur[-1].slot > max_gap or r.slot - cur[0].slot + 1 > limit):
+            if cur and (r.slot - cur[-1].slot > max_gap or r.slot - cur[0].slot + 1 > max(1, size // slot_bytes[slab])):
                 out.append(_request(d, slab, cur))
-                cur = []
+                cur, size = [], min(2 * size, max_bytes)
             cur.append(r)
         if cur:
             out.append(_request(d, slab, cur))
@@ -120,7 +125,7 @@ class OwnerReader:
         rows = [r for r in rows if self.slots[(r.layer, Kind(r.kind))].error is None]
         sizes = {s.slab: s.slot_bytes for s in store.shapes.values()}
         self._pending: dict[int, list[Request]] = defaultdict(list)
-        for q in plan_requests(rows, sizes, store.cfg.max_request_bytes):
+        for q in plan_requests(rows, sizes, store.cfg.max_request_bytes, first_bytes=store.cfg.first_request_bytes):
             self._pending[q.dir].append(q)
         self._issue()
 
