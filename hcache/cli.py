@@ -168,6 +168,7 @@ def _profile(cfg: Config, args: argparse.Namespace) -> int:
     print(f"  read {prof.read_gbps:.2f} GB/s ({', '.join(f'{g:.2f}' for g in prof.per_dir_gbps)} per directory)")
     print(f"  read latency {prof.read_latency_ms:.2f} ms; H->KV {prof.h_ms_per_ktok:.2f} ms/1K tokens")
     print(f"  KV placement {prof.kv_ms_per_ktok:.3f} ms/1K tokens; recompute per layer (ms): {prof.re_points}")
+    print(f"  reading takes {prof.read_cpu_ms_per_mb:.2f} CPU ms per MB; a mix must win by {prof.mix_margin:.0%}")
     return 0
 
 

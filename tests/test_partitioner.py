@@ -120,3 +120,37 @@ def test_plan_decides_what_is_stored() -> None:
     kinds = storage_kinds(Plan.split(6, 2, 3))
     assert kinds == [None, None, Kind.HIDDEN, Kind.HIDDEN, Kind.HIDDEN, Kind.KV]
     assert encode_layer_kinds(kinds) == "--HHHK"
+
+
+def test_mix_margin_keeps_a_single_method_unless_the_mix_clearly_wins() -> None:
+    from dataclasses import replace
+
+    prof = _two_method_profile(io_h=10.0, io_kv=20.0, c_h=30.0, c_tok=1e6)  # H+KV mix beats both
+    n = 1000
+    mix = partition(MHA_7B, prof, n, methods=(Method.HIDDEN, Method.KV))
+    assert len(set(mix.plan.methods)) == 2
+    singles = {
+        m: simulate((m,) * MHA_7B.num_layers, layer_costs(MHA_7B, prof, n))[2] for m in (Method.HIDDEN, Method.KV)
+    }
+    gain = min(singles.values()) / mix.makespan_ms - 1
+    assert gain > 0.1
+    keep = partition(MHA_7B, replace(prof, mix_margin=gain * 1.01), n, methods=(Method.HIDDEN, Method.KV))
+    assert set(keep.plan.methods) == {min(singles, key=singles.get)}
+    assert keep.makespan_ms == pytest.approx(min(singles.values()))
+    still = partition(MHA_7B, replace(prof, mix_margin=gain * 0.99), n, methods=(Method.HIDDEN, Method.KV))
+    assert still.plan == mix.plan
+
+
+def test_read_cpu_is_charged_to_the_compute_stream() -> None:
+    from dataclasses import replace
+
+    prof = _two_method_profile(io_h=10.0, io_kv=20.0, c_h=30.0, c_tok=1e6)
+    base = layer_costs(MHA_7B, prof, 1000)
+    taxed = layer_costs(MHA_7B, replace(prof, read_cpu_ms_per_mb=2.0), 1000)
+    for m, nbytes in ((Method.HIDDEN, MHA_7B.h_bytes(1000)), (Method.KV, MHA_7B.kv_bytes(1000))):
+        assert taxed[m].io_ms == base[m].io_ms
+        assert taxed[m].compute_ms == pytest.approx(base[m].compute_ms + 2.0 * nbytes / 1e6)
+    # reads that cost CPU make the compute-heavy H layers dearer next to KV: fewer are chosen
+    plain = partition(MHA_7B, prof, 1000, methods=(Method.HIDDEN, Method.KV))
+    dear = partition(MHA_7B, replace(prof, read_cpu_ms_per_mb=2.0), 1000, methods=(Method.HIDDEN, Method.KV))
+    assert dear.plan.counts()["hidden"] < plain.plan.counts()["hidden"]

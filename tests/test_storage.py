@@ -291,18 +291,41 @@ def test_both_kinds_and_token_ranges(dirs) -> None:
             st.reader("s", wants=[Want(0, Kind.KV, 10, n)])
 
 
-def test_read_requests_grow_from_small_first_to_max():
-    """An owner's first request is small (its first layers arrive soon), then requests double
-    up to the max, and a gap between extents always ends a request."""
+def test_read_requests_follow_layer_order_and_grow():
+    """Requests complete layers in order however their extents are spread through the slab;
+    each covers consecutive wanted slots; a slab's first request is small, later ones double
+    up to the max; every chunk is read exactly once."""
+    import random
+
     from hcache.storage.manifest import ChunkRow
     from hcache.storage.reader import plan_requests
 
     slot = 1 << 20
-    slots = [*range(0, 100), *range(110, 140)]  # a gap of 10 free slots after slot 99
-    rows = [ChunkRow("o", s % 30, s // 30, "h", 0, "h.x", s, 64, 0) for s in slots]
-    qs = plan_requests(rows, {"h.x": slot}, max_bytes=16 << 20, first_bytes=2 << 20)
-    counts = [q.count for q in sorted(qs, key=lambda q: q.first)]
-    assert counts == [2, 4, 8, 16, 16, 16, 16, 16, 6, 16, 14]
-    assert sum(counts) == len(slots)
-    assert all(q.first >= 110 or q.first + q.count <= 100 for q in qs)
-    assert [q.count for q in plan_requests(rows, {"h.x": slot}, max_bytes=16 << 20)][:1] == [16]
+    rng = random.Random(0)
+    # 6 layers written in 4 turns: each turn appends an extent per layer, so a layer's chunks
+    # are spread over the slab, with free holes left between some extents
+    rows, nxt, idx = [], 0, [0] * 6
+    for _turn in range(4):
+        for layer in range(6):
+            for _ in range(rng.randint(1, 9)):
+                rows.append(ChunkRow("o", layer, idx[layer], "h", 0, "h.x", nxt, 64, 0))
+                idx[layer] += 1
+                nxt += 1
+            nxt += rng.choice([0, 0, 1, 5])
+    qs = plan_requests(rows, {"h.x": slot}, max_bytes=8 << 20, first_bytes=2 << 20)
+    got = sorted((c.layer, c.idx) for q in qs for c in q.chunks)
+    assert got == sorted((r.layer, r.idx) for r in rows)
+    bound = 2
+    for q in qs:
+        assert q.count <= bound and all(b.slot - a.slot <= 2 for a, b in zip(q.chunks, q.chunks[1:], strict=False))
+        assert q.first == q.chunks[0].slot and q.count == q.chunks[-1].slot - q.first + 1
+        bound = min(2 * bound, 8)
+    assert qs[0].count <= 2 and max(q.count for q in qs) == 8
+    for layer in range(6):
+        done = max(i for i, q in enumerate(qs) if any(c.layer == layer for c in q.chunks))
+        later = [i for i, q in enumerate(qs) if q.min_layer > layer]
+        assert not later or done < min(later), f"layer {layer} completes after a later layer's request"
+    assert next(q.count for q in plan_requests(rows, {"h.x": slot}, max_bytes=8 << 20)) > 2
+    near = plan_requests(rows, {"h.x": slot}, max_bytes=8 << 20, ahead=2)
+    assert all(c.layer - q.min_layer < 2 for q in near for c in q.chunks)
+    assert sorted((c.layer, c.idx) for q in near for c in q.chunks) == got

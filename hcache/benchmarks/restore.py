@@ -139,6 +139,7 @@ def run(
     re_budget_s: float = 20.0,
     dtype: torch.dtype = torch.bfloat16,
     log=print,  # noqa: ANN001
+    methods: tuple[str, ...] = METHODS,
 ) -> list[Row]:
     rows: list[Row] = []
     for name in models:
@@ -165,7 +166,7 @@ def run(
                     for cap in caps:
                         store.set_read_cap(cap)
                         group = []
-                        for method in METHODS:
+                        for method in methods:
                             plan, pred = method_plan(method, geom, prof, n, cap / 1000 if cap else None)
                             if method == "RE" and pred > re_budget_s * 1e3:
                                 ms = wait = None
@@ -232,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", help="where the stores go (default: a temp dir)")
     ap.add_argument("--real-max", type=int, default=4096, help="longest context built by a real prefill")
     ap.add_argument("--re-budget-s", type=float, default=20.0)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default="bench/results/restore.json")
     a = ap.parse_args(argv)
@@ -239,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     try:
         rows = run(a.models, a.tokens, a.dirs, a.caps, a.repeats, base, a.real_max, a.re_budget_s,
-                   log=(lambda *x: None) if a.json else print)  # fmt: skip
+                   log=(lambda *x: None) if a.json else print, methods=tuple(a.methods))  # fmt: skip
     finally:
         shutil.rmtree(base, ignore_errors=True)
     out = {"rows": [asdict(r) for r in rows], "seconds": time.time() - t0, "torch_threads": torch.get_num_threads()}

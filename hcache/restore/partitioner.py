@@ -57,10 +57,14 @@ def layer_costs(geom: Geometry, prof: Profile, n: int, cap_gbps: float | None = 
     def io(nbytes: int) -> float:
         return prof.read_latency_ms + nbytes / (gbps * 1e9) * 1e3
 
+    def tax(nbytes: int) -> float:
+        return prof.read_cpu_ms_per_mb * nbytes / 1e6
+
+    h, kv = geom.h_bytes(n), geom.kv_bytes(n)
     return {
         Method.RECOMPUTE: LayerCost(0.0, prof.re_ms(n)),
-        Method.HIDDEN: LayerCost(io(geom.h_bytes(n)), prof.h_ms_per_ktok * n / 1000),
-        Method.KV: LayerCost(io(geom.kv_bytes(n)), prof.kv_ms_per_ktok * n / 1000),
+        Method.HIDDEN: LayerCost(io(h), prof.h_ms_per_ktok * n / 1000 + tax(h)),
+        Method.KV: LayerCost(io(kv), prof.kv_ms_per_ktok * n / 1000 + tax(kv)),
     }
 
 
@@ -115,6 +119,12 @@ def partition(
                 best = (key, order, sim)
     if best is None:
         raise ValueError(f"no plan can be made from {methods}")
+    if prof.mix_margin and len(set(best[1])) > 1:
+        singles = [(m,) * L for m in methods]
+        sims = [(simulate(o, costs), o) for o in singles]
+        sim, order = min(sims, key=lambda x: x[0][2])
+        if sim[2] <= best[2][2] * (1 + prof.mix_margin):
+            best = ((sim[2], 0), order, sim)
     plan = Plan(best[1])
     io_ms, compute_ms, makespan = best[2]
     nbytes = plan.bytes_to_read_geom(geom.hidden, geom.kv_dim, n_tokens, geom.elem_bytes)
@@ -172,7 +182,7 @@ def partition_tokenwise(geom: Geometry, prof: Profile, n_tokens: int, cap_gbps: 
         nbytes = geom.h_bytes(h) + geom.kv_bytes(kv)
         reads = (h > 0) + (kv > 0)
         io = prof.read_latency_ms * reads + nbytes / (gbps * 1e9) * 1e3
-        compute = (prof.h_ms_per_ktok * h + prof.kv_ms_per_ktok * kv) / 1000
+        compute = (prof.h_ms_per_ktok * h + prof.kv_ms_per_ktok * kv) / 1000 + prof.read_cpu_ms_per_mb * nbytes / 1e6
         costs = {Method.HIDDEN: LayerCost(io, compute)}
         io_ms, compute_ms, makespan = simulate([Method.HIDDEN] * geom.num_layers, costs)
         if best is None or makespan < best.makespan_ms:

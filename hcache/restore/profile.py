@@ -55,6 +55,12 @@ class Profile:
     re_points: dict[int, float]  # context tokens -> ms for one layer's full forward
     per_dir_gbps: list[float] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
+    # CPU that reading takes (checksums, placement, the kernel's O_DIRECT work), charged to the
+    # compute stream where readers and compute share the cores (CPU devices); 0 on a GPU
+    read_cpu_ms_per_mb: float = 0.0
+    # a mixed plan must be predicted this much faster than the best single-method plan: mixes
+    # are where the two-stream model errs most on a machine whose streams contend
+    mix_margin: float = 0.0
 
     def re_ms(self, n: int) -> float:
         """One layer's recompute at context n: a least-squares fit of a*n + b*n^2 (b >= 0)."""

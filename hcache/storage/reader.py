@@ -52,28 +52,45 @@ class LayerSlot:
 
 
 def plan_requests(
-    rows: list[ChunkRow], slot_bytes: dict[str, int], max_bytes: int, max_gap: int = 2, first_bytes: int = 0
+    rows: list[ChunkRow],
+    slot_bytes: dict[str, int],
+    max_bytes: int,
+    max_gap: int = 2,
+    first_bytes: int = 0,
+    ahead: int = 1 << 30,
 ) -> list[Request]:
-    """Coalesce slots of one slab that are at most `max_gap` apart into requests. The first
-    request of each slab is at most `first_bytes` and each next one may be twice the last,
-    up to `max_bytes`: the first layers arrive soon, and the bulk comes in requests large
-    enough for the device's full bandwidth (small O_DIRECT requests get a fraction of it)."""
+    """Requests in the order a restore consumes layers. Each starts at the earliest chunk of
+    the lowest layer not yet asked for and runs forward over wanted slots of its slab at
+    most `max_gap` apart, taking other layers' chunks too when they are less than `ahead`
+    layers later (needed soon anyway), so a layer is whole after the requests that precede
+    the next layer's, however its extents are spread through the slab. A slab's first
+    request is at most `first_bytes` and each next one may be twice the last, up to
+    `max_bytes`: the first layers arrive soon, and the bulk comes in requests large enough
+    for the device's full bandwidth (small O_DIRECT requests get a fraction of it)."""
     by_slab: dict[tuple[int, str], list[ChunkRow]] = defaultdict(list)
     for r in rows:
         by_slab[(r.dir, r.slab)].append(r)
-    out: list[Request] = []
-    for (d, slab), rs in by_slab.items():
+    where: dict[int, int] = {}  # id(row) -> its position in its slab's slot order
+    for rs in by_slab.values():
         rs.sort(key=lambda r: r.slot)
-        size = min(first_bytes or max_bytes, max_bytes)
-        cur: list[ChunkRow] = []
-        for r in rs:
-            if cur and (r.slot - cur[-1].slot > max_gap or r.slot - cur[0].slot + 1 > max(1, size // slot_bytes[slab])):
-                out.append(_request(d, slab, cur))
-                cur, size = [], min(2 * size, max_bytes)
-            cur.append(r)
-        if cur:
-            out.append(_request(d, slab, cur))
-    out.sort(key=lambda q: (q.min_layer, q.first))
+        where.update((id(r), i) for i, r in enumerate(rs))
+    size = dict.fromkeys(by_slab, min(first_bytes or max_bytes, max_bytes))
+    taken: set[int] = set()
+    out: list[Request] = []
+    for r in sorted(rows, key=lambda r: (r.layer, r.idx)):
+        if id(r) in taken:
+            continue
+        key = (r.dir, r.slab)
+        rs, limit = by_slab[key], max(1, size[key] // slot_bytes[r.slab])
+        cur = [r]
+        for nxt in rs[where[id(r)] + 1 :]:
+            far = nxt.layer - r.layer >= ahead
+            if id(nxt) in taken or far or nxt.slot - cur[-1].slot > max_gap or nxt.slot - r.slot >= limit:
+                break
+            cur.append(nxt)
+        taken.update(id(c) for c in cur)
+        out.append(_request(key[0], key[1], cur))
+        size[key] = min(2 * size[key], max_bytes)
     return out
 
 
@@ -125,7 +142,14 @@ class OwnerReader:
         rows = [r for r in rows if self.slots[(r.layer, Kind(r.kind))].error is None]
         sizes = {s.slab: s.slot_bytes for s in store.shapes.values()}
         self._pending: dict[int, list[Request]] = defaultdict(list)
-        for q in plan_requests(rows, sizes, store.cfg.max_request_bytes, first_bytes=store.cfg.first_request_bytes):
+        reqs = plan_requests(
+            rows,
+            sizes,
+            store.cfg.max_request_bytes,
+            first_bytes=store.cfg.first_request_bytes,
+            ahead=store.cfg.request_layers,
+        )
+        for q in reqs:
             self._pending[q.dir].append(q)
         self._issue()
 
