@@ -12,6 +12,7 @@ reported as predicted only."""
 from __future__ import annotations
 
 import argparse
+import random
 import shutil
 import statistics
 import tempfile
@@ -165,29 +166,35 @@ def run(
                     save_state(model, store, "s", n, real)
                     for cap in caps:
                         store.set_read_cap(cap)
+                        plans = {m: method_plan(m, geom, prof, n, cap / 1000 if cap else None) for m in methods}
+                        timed = [m for m in methods if not (m == "RE" and plans[m][1] > re_budget_s * 1e3)]
+                        times: dict[str, list[float]] = {m: [] for m in timed}
+                        waits: dict[str, list[float]] = {m: [] for m in timed}
+                        nbytes: dict[str, int] = dict.fromkeys(methods, 0)
+                        # methods take turns, in a fresh order each round: this VM's disk and CPU
+                        # speed drift by tens of percent over minutes, and drift must hit all alike
+                        order = random.Random(n * 31 + nd)
+                        for i in range(repeats + 1):  # the first round warms pools and caches: untimed
+                            for method in order.sample(timed, len(timed)):
+                                plan, pred = plans[method]
+                                src = StoreSource(store, "s", model.fingerprint())
+                                if isinstance(plan, int):
+                                    _, rep = restore_tokenwise(model, plan, src, predicted_ms=pred)
+                                else:
+                                    _, rep = restore(model, plan, src, predicted_ms=pred)
+                                nbytes[method] = rep.source_bytes
+                                if i:
+                                    times[method].append(rep.ms)
+                                    waits[method].append(rep.wait_ms)
                         group = []
                         for method in methods:
-                            plan, pred = method_plan(method, geom, prof, n, cap / 1000 if cap else None)
-                            if method == "RE" and pred > re_budget_s * 1e3:
-                                ms = wait = None
-                                nbytes = 0
-                            else:
-                                times, waits = [], []
-                                for i in range(repeats + 1):  # the first run warms pools and caches: untimed
-                                    src = StoreSource(store, "s", model.fingerprint())
-                                    if isinstance(plan, int):
-                                        _, rep = restore_tokenwise(model, plan, src, predicted_ms=pred)
-                                    else:
-                                        _, rep = restore(model, plan, src, predicted_ms=pred)
-                                    nbytes = rep.source_bytes
-                                    if i:
-                                        times.append(rep.ms)
-                                        waits.append(rep.wait_ms)
-                                ms, wait = statistics.median(times), statistics.median(waits)
+                            plan, pred = plans[method]
+                            ms = statistics.median(times[method]) if method in times else None
+                            wait = statistics.median(waits[method]) if method in waits else None
                             label = f"split {plan}" if isinstance(plan, int) else str(plan)
                             state = "prefill" if real else "synthetic"
                             tps = n / ms * 1e3 if ms else None
-                            r = Row(name, n, nd, cap, method, label, ms, pred, tps, nbytes, wait, state)
+                            r = Row(name, n, nd, cap, method, label, ms, pred, tps, nbytes[method], wait, state)
                             group.append(r)
                             log(
                                 f"  {n:>6} tok {nd} dirs cap {cap or '-':>4} {method:>9}: {_fmt(ms)} ms "
