@@ -166,8 +166,12 @@ def _profile(cfg: Config, args: argparse.Namespace) -> int:
     prof = profiler.load_or_run(model, dirs, Path(cfg.profile_dir), args.reprofile)
     print(f"profile {path}{' (cached; --reprofile to measure again)' if not args.reprofile else ''}")
     print(f"  read {prof.read_gbps:.2f} GB/s ({', '.join(f'{g:.2f}' for g in prof.per_dir_gbps)} per directory)")
-    print(f"  read latency {prof.read_latency_ms:.2f} ms; H->KV {prof.h_ms_per_ktok:.2f} ms/1K tokens")
-    print(f"  KV placement {prof.kv_ms_per_ktok:.3f} ms/1K tokens; recompute per layer (ms): {prof.re_points}")
+    print(
+        f"  read latency {prof.read_latency_ms:.2f} ms; "
+        f"H->KV {prof.h_ms_fixed:.2f} + {prof.h_ms_per_ktok:.2f} ms/1K tokens per layer"
+    )
+    print(f"  KV placement {prof.kv_ms_fixed:.3f} + {prof.kv_ms_per_ktok:.3f} ms/1K tokens per layer")
+    print(f"  recompute per layer (ms): {prof.re_points}")
     print(f"  reading takes {prof.read_cpu_ms_per_mb:.2f} CPU ms per MB; a mix must win by {prof.mix_margin:.0%}")
     return 0
 

@@ -34,6 +34,9 @@ def random_profile(rng: random.Random) -> Profile:
         read_latency_ms=rng.uniform(0, 2),
         h_ms_per_ktok=rng.uniform(0.01, 20),
         kv_ms_per_ktok=rng.uniform(0.001, 2),
+        h_ms_fixed=rng.choice([0.0, rng.uniform(0, 3)]),
+        kv_ms_fixed=rng.choice([0.0, rng.uniform(0, 1)]),
+        read_cpu_ms_per_mb=rng.choice([0.0, rng.uniform(0, 1)]),
         re_points={256: rng.uniform(0.1, 10), 4096: rng.uniform(10, 400)},
     )
 
@@ -154,3 +157,16 @@ def test_read_cpu_is_charged_to_the_compute_stream() -> None:
     plain = partition(MHA_7B, prof, 1000, methods=(Method.HIDDEN, Method.KV))
     dear = partition(MHA_7B, replace(prof, read_cpu_ms_per_mb=2.0), 1000, methods=(Method.HIDDEN, Method.KV))
     assert dear.plan.counts()["hidden"] < plain.plan.counts()["hidden"]
+
+
+def test_affine_fit_of_per_layer_costs() -> None:
+    from hcache.restore.profiler import affine
+
+    assert affine({1024: 3.0, 4096: 9.144}) == pytest.approx((0.952, 2.0))
+    assert affine({1024: 3.0, 4096: 6.0}) == pytest.approx((2.0, 1000 / 1024))
+    # a faster long run than short one (noise) cannot give a negative rate or fixed part
+    fixed, rate = affine({1024: 3.0, 4096: 2.0})
+    assert fixed >= 0 and rate >= 0
+    prof = Profile("p", 1, 0, 2.0, 0.5, {1000: 1.0}, h_ms_fixed=1.5, kv_ms_fixed=0.25)
+    assert prof.h_ms(2000) == pytest.approx(5.5) and prof.kv_ms(2000) == pytest.approx(1.25)
+    assert prof.h_ms(0) == 0 and prof.kv_ms(0) == 0

@@ -329,3 +329,24 @@ def test_read_requests_follow_layer_order_and_grow():
     near = plan_requests(rows, {"h.x": slot}, max_bytes=8 << 20, ahead=2)
     assert all(c.layer - q.min_layer < 2 for q in near for c in q.chunks)
     assert sorted((c.layer, c.idx) for q in near for c in q.chunks) == got
+
+
+def test_read_ahead_covers_prefetch_bytes_past_the_consumer(dirs) -> None:
+    """Small layers are read ahead by bytes, not only by the layer window: a consumer that is
+    busy elsewhere (recomputing a prefix) finds them all in once it asks."""
+    import time
+
+    kinds = [Kind.KV] * GEOM.num_layers
+    with open_store(dirs[:1], prefetch_layers=1) as st:
+        st.create_owner("o", kinds, "fp")
+        save(st, "o", 0, 64, kinds)
+        st.mark_durable("o", list(range(64)))
+        r = st.reader("o")
+        deadline = time.monotonic() + 10
+        while not all(r.slots[(i, Kind.KV)].ready.is_set() for i in range(GEOM.num_layers)):
+            assert time.monotonic() < deadline, "later layers were not read ahead"
+            time.sleep(0.01)
+    with open_store(dirs[:1], prefetch_layers=1, prefetch_bytes=0) as st:
+        r = st.reader("o")
+        time.sleep(0.3)
+        assert not r.slots[(GEOM.num_layers - 1, Kind.KV)].ready.is_set()  # one layer ahead, no more

@@ -154,7 +154,10 @@ def run(
         pdir = base / "profile"
         pdir.mkdir(parents=True, exist_ok=True)
         prof = profiler.run(model, [pdir], show=False, re_contexts=(256, 1024, 2048))
-        log(f"{name}: profile read {prof.read_gbps:.2f} GB/s, H {prof.h_ms_per_ktok:.2f} ms/1K, RE {prof.re_points}")
+        log(
+            f"{name}: profile read {prof.read_gbps:.2f} GB/s ({prof.read_cpu_ms_per_mb:.2f} CPU ms/MB), "
+            f"H {prof.h_ms_fixed:.2f} + {prof.h_ms_per_ktok:.2f} ms/1K, RE {prof.re_points}"
+        )
         for n in contexts:
             real = n <= real_max
             for nd in dir_counts:
@@ -230,6 +233,65 @@ def print_table(rows: list[Row]) -> None:
     Console(width=170).print(t)
 
 
+def targets(rows: list[Row]) -> dict:
+    """The issue's targets, checked on every configuration: auto against the best single
+    method (and whether it ran the very same plan, so that any gap is run-to-run noise),
+    auto's speedups on the multi-head model, and predicted against measured times."""
+    configs: dict[tuple, dict[str, Row]] = {}
+    for r in rows:
+        configs.setdefault((r.model, r.tokens, r.dirs, r.cap_mbps), {})[r.method] = r
+    out = []
+    for (model, n, nd, cap), by in configs.items():
+        auto = by.get("auto")
+        singles = {m: by[m] for m in ("RE", "KV", "H") if m in by and by[m].ms}
+        if not auto or not auto.ms or not singles:
+            continue
+        best = min(singles.values(), key=lambda r: r.ms or 0)
+        same = [m for m, r in singles.items() if r.plan == auto.plan]
+        row = {
+            "model": model, "tokens": n, "dirs": nd, "cap_mbps": cap, "auto_ms": auto.ms, "auto_plan": auto.plan,
+            "best_single": best.method, "best_single_ms": best.ms, "auto_vs_best": best.ms / auto.ms,
+            "same_plan_as": same[0] if same else None,
+            "auto_ok": auto.ms <= 1.03 * (best.ms or 0),
+        }  # fmt: skip
+        for m in ("KV", "H", "RE"):
+            if m in singles:
+                row[f"auto_speedup_vs_{m}"] = (singles[m].ms or 0) / auto.ms
+        out.append(row)
+    errors = [abs(r.ms - r.predicted_ms) / r.ms for r in rows if r.ms]
+    return {
+        "configs": out,
+        "auto_never_slower": sum(c["auto_ok"] for c in out),
+        "configs_checked": len(out),
+        "prediction_error_median": statistics.median(errors) if errors else None,
+        "within_15pct": sum(e <= 0.15 for e in errors),
+        "rows_timed": len(errors),
+    }
+
+
+def print_targets(t: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    tab = Table(title="targets: auto vs the best single method; speedups of auto; same plan = noise only")
+    for col in ("model", "tokens", "dirs", "cap", "auto plan", "best single", "best/auto", "same plan as", "vs KV",
+                "vs H", "vs RE"):  # fmt: skip
+        tab.add_column(col, justify="left" if col in ("model", "auto plan", "best single", "same plan as") else "right")
+    for c in t["configs"]:
+        tab.add_row(
+            c["model"], str(c["tokens"]), str(c["dirs"]), str(int(c["cap_mbps"])) if c["cap_mbps"] else "-",
+            c["auto_plan"], c["best_single"], f"{c['auto_vs_best']:.2f}", c["same_plan_as"] or "",
+            *(f"{c[k]:.2f}" if k in c else "-" for k in (f"auto_speedup_vs_{m}" for m in ("KV", "H", "RE"))),
+        )  # fmt: skip
+    con = Console(width=170)
+    con.print(tab)
+    con.print(
+        f"auto within 3% of the best single method: {t['auto_never_slower']}/{t['configs_checked']} configurations; "
+        f"predicted within 15% of measured: {t['within_15pct']}/{t['rows_timed']} rows "
+        f"(median error {t['prediction_error_median']:.0%})"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hcache bench restore")
     ap.add_argument("--models", nargs="+", default=["default", "default-mha", "llama7b"])
@@ -251,5 +313,10 @@ def main(argv: list[str] | None = None) -> int:
                    log=(lambda *x: None) if a.json else print, methods=tuple(a.methods))  # fmt: skip
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    out = {"rows": [asdict(r) for r in rows], "seconds": time.time() - t0, "torch_threads": torch.get_num_threads()}
-    return report(out, a.out, a.json, lambda: print_table(rows))
+    out = {
+        "rows": [asdict(r) for r in rows],
+        "targets": targets(rows),
+        "seconds": time.time() - t0,
+        "torch_threads": torch.get_num_threads(),
+    }
+    return report(out, a.out, a.json, lambda: (print_table(rows), print_targets(out["targets"])))

@@ -63,8 +63,8 @@ def layer_costs(geom: Geometry, prof: Profile, n: int, cap_gbps: float | None = 
     h, kv = geom.h_bytes(n), geom.kv_bytes(n)
     return {
         Method.RECOMPUTE: LayerCost(0.0, prof.re_ms(n)),
-        Method.HIDDEN: LayerCost(io(h), prof.h_ms_per_ktok * n / 1000 + tax(h)),
-        Method.KV: LayerCost(io(kv), prof.kv_ms_per_ktok * n / 1000 + tax(kv)),
+        Method.HIDDEN: LayerCost(io(h), prof.h_ms(n) + tax(h)),
+        Method.KV: LayerCost(io(kv), prof.kv_ms(n) + tax(kv)),
     }
 
 
@@ -182,7 +182,7 @@ def partition_tokenwise(geom: Geometry, prof: Profile, n_tokens: int, cap_gbps: 
         nbytes = geom.h_bytes(h) + geom.kv_bytes(kv)
         reads = (h > 0) + (kv > 0)
         io = prof.read_latency_ms * reads + nbytes / (gbps * 1e9) * 1e3
-        compute = (prof.h_ms_per_ktok * h + prof.kv_ms_per_ktok * kv) / 1000 + prof.read_cpu_ms_per_mb * nbytes / 1e6
+        compute = prof.h_ms(h) + prof.kv_ms(kv) + prof.read_cpu_ms_per_mb * nbytes / 1e6
         costs = {Method.HIDDEN: LayerCost(io, compute)}
         io_ms, compute_ms, makespan = simulate([Method.HIDDEN] * geom.num_layers, costs)
         if best is None or makespan < best.makespan_ms:

@@ -61,6 +61,14 @@ class Profile:
     # a mixed plan must be predicted this much faster than the best single-method plan: mixes
     # are where the two-stream model errs most on a machine whose streams contend
     mix_margin: float = 0.0
+    h_ms_fixed: float = 0.0  # per layer, whatever the length (launches, norms, small copies)
+    kv_ms_fixed: float = 0.0
+
+    def h_ms(self, n: int) -> float:
+        return self.h_ms_fixed + self.h_ms_per_ktok * n / 1000 if n else 0.0
+
+    def kv_ms(self, n: int) -> float:
+        return self.kv_ms_fixed + self.kv_ms_per_ktok * n / 1000 if n else 0.0
 
     def re_ms(self, n: int) -> float:
         """One layer's recompute at context n: a least-squares fit of a*n + b*n^2 (b >= 0)."""

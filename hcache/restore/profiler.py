@@ -19,18 +19,16 @@ from rich.progress import Progress
 
 from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
-from hcache.restore.plan import Method, Plan
 from hcache.restore.profile import Profile
-from hcache.restore.restorer import restore
 from hcache.storage.layout import Kind
 from hcache.storage.reader import Want
-from hcache.storage.source import StoreSource
 from hcache.storage.store import ChunkStore, StorageConfig
 
 SCRATCH = ".hcache-profile"
 RE_CONTEXTS = (256, 1024, 2048, 4096)
 IO_TOKENS = 4096
-PROFILE_VERSION = 2  # bumped when the profile gains a measurement: older files are re-measured
+H_TOKENS = (1024, 4096)
+PROFILE_VERSION = 3  # bumped when the profile gains a measurement: older files are re-measured
 # restores on this 2-core VM come within about +-10% of their predictions, and single
 # methods err less than mixes; a mix must win by more than that to be chosen
 CPU_MIX_MARGIN = 0.05
@@ -63,14 +61,11 @@ def _median_ms(fn: Callable[[], object], repeats: int = 5) -> float:
 class IOResult:
     read_gbps: float
     latency_ms: float
-    h_ms_per_ktok: float  # H -> KV inside a real H-only restore: reads in flight compete for the CPU
-    kv_ms_per_ktok: float
     cpu_ms_per_mb: float  # every thread's CPU per MB of restore-shaped reads
 
 
-def _io(model: DecoderModel, dirs: list[Path], tokens: int, pipeline: bool = False) -> IOResult:
-    """Restore-shaped reads of a scratch owner over `dirs`; with `pipeline`, also the per-layer
-    compute of real H-only and KV-only restores (on a small machine reads and compute share cores)."""
+def _io(model: DecoderModel, dirs: list[Path], tokens: int) -> IOResult:
+    """Restore-shaped reads of a scratch owner over `dirs` (half the layers H, half KV)."""
     scratch = [d / SCRATCH for d in dirs]
     for d in scratch:
         shutil.rmtree(d, ignore_errors=True)
@@ -105,20 +100,20 @@ def _io(model: DecoderModel, dirs: list[Path], tokens: int, pipeline: bool = Fal
                 used = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
                 cpu.append(used * 1e3 / (nbytes / 1e6))
             latency = _median_ms(lambda: st.read_chunk("profile", 0, 0, Kind.HIDDEN))
-            rates = {}
-            for m in (Method.HIDDEN, Method.KV) if pipeline else ():
-                runs = []
-                for _ in range(3):
-                    _, rep = restore(
-                        model, Plan.uniform(cfg.num_layers, m), StoreSource(st, "profile", model.fingerprint())
-                    )
-                    runs.append(rep.ms_by_method[m.value] / cfg.num_layers * 1000 / tokens)
-                rates[m] = statistics.median(runs)
-            h_rate, kv_rate = rates.get(Method.HIDDEN, 0.0), rates.get(Method.KV, 0.0)
-            return IOResult(nbytes / secs / 1e9, latency, h_rate, kv_rate, statistics.median(cpu))
+            return IOResult(nbytes / secs / 1e9, latency, statistics.median(cpu))
     finally:
         for d in scratch:
             shutil.rmtree(d, ignore_errors=True)
+
+
+def affine(points: dict[int, float]) -> tuple[float, float]:
+    """(fixed ms, ms per 1K tokens) through two measurements; no negative fixed part."""
+    (n1, t1), (n2, t2) = sorted(points.items())
+    slope = max(0.0, (t2 - t1) / (n2 - n1))
+    fixed = t1 - slope * n1
+    if fixed < 0:
+        return 0.0, t2 / n2 * 1000
+    return fixed, slope * 1000
 
 
 def run(
@@ -129,7 +124,7 @@ def run(
     re_contexts: tuple[int, ...] = RE_CONTEXTS,
 ) -> Profile:
     cfg, dev, dt = model.cfg, model.device, model.dtype
-    steps = len(dirs) + 1 + 2 + len(re_contexts)
+    steps = len(dirs) + 1 + len(H_TOKENS) + len(re_contexts)
     with Progress(disable=not show, transient=True) as bar:
         task = bar.add_task("profiling", total=steps)
         per_dir = []
@@ -138,31 +133,34 @@ def run(
             per_dir.append(_io(model, [d], io_tokens).read_gbps)
             bar.advance(task)
         bar.update(task, description="read bandwidth and restore compute, all directories")
-        io = _io(model, dirs, io_tokens, pipeline=True)
+        io = _io(model, dirs, io_tokens)
         read_gbps, latency = io.read_gbps, io.latency_ms
         bar.advance(task)
 
-        n = 1024
-        h = torch.randn(n, cfg.hidden_size, device=dev).to(dt)
-        pos = torch.arange(n, device=dev)
-        cache = KVCache(cfg, dt, dev, capacity=n)
-        bar.update(task, description="H -> KV projection")
+        # every layer with its own weights, as a restore runs them (one layer re-run stays
+        # cache-hot), at two lengths: per-layer fixed costs matter for short contexts
+        h_points, kv_points = {}, {}
+        for n in H_TOKENS:
+            bar.update(task, description=f"H -> KV projection and KV placement, {n} tokens")
+            h = torch.randn(n, cfg.hidden_size, device=dev).to(dt)
+            pos = torch.arange(n, device=dev)
+            k = torch.randn(n, cfg.num_kv_heads, cfg.head_dim, device=dev).to(dt)
+            cache = KVCache(cfg, dt, dev, capacity=n)
 
-        # every layer with its own weights, as a restore runs them (one layer re-run stays cache-hot)
-        def project() -> None:
-            for layer in range(cfg.num_layers):
-                k, v = model.kv_from_hidden(layer, h, pos)
-                cache.write(layer, k, v, start=0)
+            def project(h: torch.Tensor = h, pos: torch.Tensor = pos, cache: KVCache = cache) -> None:
+                for layer in range(cfg.num_layers):
+                    k, v = model.kv_from_hidden(layer, h, pos)
+                    cache.write(layer, k, v, start=0)
 
-        h_ms = max(_median_ms(project) / cfg.num_layers, io.h_ms_per_ktok * n / 1000)
-        bar.advance(task)
-        k = torch.randn(n, cfg.num_kv_heads, cfg.head_dim, device=dev).to(dt)
-        bar.update(task, description="KV placement")
-        kv_ms = max(
-            _median_ms(lambda: [cache.write(i, k, k, start=0) for i in range(cfg.num_layers)]) / cfg.num_layers,
-            io.kv_ms_per_ktok * n / 1000,
-        )
-        bar.advance(task)
+            def place(k: torch.Tensor = k, cache: KVCache = cache) -> None:
+                for layer in range(cfg.num_layers):
+                    cache.write(layer, k, k, start=0)
+
+            h_points[n] = _median_ms(project) / cfg.num_layers
+            kv_points[n] = _median_ms(place) / cfg.num_layers
+            bar.advance(task)
+        h_fixed, h_rate = affine(h_points)
+        kv_fixed, kv_rate = affine(kv_points)
 
         re_points = {}
         for ctx in re_contexts:
@@ -182,8 +180,10 @@ def run(
         name=device_name(dev),
         read_gbps=read_gbps,
         read_latency_ms=latency,
-        h_ms_per_ktok=h_ms * 1000 / n,
-        kv_ms_per_ktok=kv_ms * 1000 / n,
+        h_ms_per_ktok=h_rate,
+        kv_ms_per_ktok=kv_rate,
+        h_ms_fixed=h_fixed,
+        kv_ms_fixed=kv_fixed,
         re_points=re_points,
         per_dir_gbps=per_dir,
         # on a GPU the readers' CPU does not slow compute, and the model has fewer shared parts

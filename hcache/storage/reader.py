@@ -5,6 +5,7 @@ Every chunk is checked against its checksum before its rows are used."""
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from collections import defaultdict
@@ -140,6 +141,12 @@ class OwnerReader:
             if slot.error is not None or slot.remaining == 0:
                 slot.ready.set()
         rows = [r for r in rows if self.slots[(r.layer, Kind(r.kind))].error is None]
+        # bytes wanted per layer: the read-ahead covers at least `prefetch_bytes` past the
+        # consumer, so small layers are not held back while it is busy (say, recomputing)
+        self._layer_bytes: dict[int, int] = defaultdict(int)
+        for slot in self.slots.values():
+            self._layer_bytes[slot.want.layer] += math.prod(slot.shape) * store.shapes[slot.want.kind].dtype.itemsize
+        self._last_layer = max(self._layer_bytes, default=0)
         sizes = {s.slab: s.slot_bytes for s in store.shapes.values()}
         self._pending: dict[int, list[Request]] = defaultdict(list)
         reqs = plan_requests(
@@ -154,9 +161,14 @@ class OwnerReader:
         self._issue()
 
     def _issue(self) -> None:
-        """Submit requests whose first layer is inside the window."""
+        """Submit requests whose first layer is inside the window: `window` layers past the
+        consumer, or more while those hold less than `prefetch_bytes`."""
         with self._lock:
             horizon = self._cursor + self.window
+            ahead = sum(self._layer_bytes.get(i, 0) for i in range(self._cursor, horizon))
+            while horizon <= self._last_layer and ahead < self.store.cfg.prefetch_bytes:
+                ahead += self._layer_bytes.get(horizon, 0)
+                horizon += 1
             for d, reqs in self._pending.items():
                 while reqs and reqs[0].min_layer < horizon:
                     self.store.submit_read(d, self._run, reqs.pop(0))

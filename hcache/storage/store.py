@@ -58,6 +58,7 @@ class StorageConfig:
     request_layers: int = 3  # a request takes chunks of at most this many layers: lumps stay small
     read_depth: int = 8  # requests in flight per directory (sharing read_depth + dirs buffers)
     prefetch_layers: int = 12
+    prefetch_bytes: int = 128 << 20  # ... or more layers while those hold less than this
     fsync_group_bytes: int = 16 << 20
     read_cap_mbps: float = 0.0  # 0: no cap; otherwise a token bucket on restore reads
 
