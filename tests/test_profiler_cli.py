@@ -29,7 +29,8 @@ def test_profile_measures_and_is_cached(tiny_folder, tmp_path) -> None:
     store = tmp_path / "store"
     store.mkdir()
     prof = profiler.load_or_run(model, [store], tmp_path / "profiles")
-    assert prof.read_gbps > 0 and prof.h_ms_per_ktok > 0 and prof.kv_ms_per_ktok > 0
+    assert prof.read_gbps > 0 and prof.h_ms(1024) > 0 and prof.kv_ms(1024) > 0 and prof.read_cpu_ms_per_mb > 0
+    assert prof.h_ms(4096) >= prof.h_ms(1024) and prof.mix_margin == profiler.CPU_MIX_MARGIN
     assert sorted(prof.re_points) == [256]  # contexts past the model's 256 positions are skipped
     assert prof.re_ms(8192) > prof.re_ms(1024) > 0
     path = profiler.profile_path(tmp_path / "profiles", model)
