@@ -153,7 +153,7 @@ def run(
         geom = Geometry.of(model.cfg, torch.finfo(dtype).bits // 8)
         pdir = base / "profile"
         pdir.mkdir(parents=True, exist_ok=True)
-        prof = profiler.run(model, [pdir], show=False, re_contexts=(256, 1024, 2048))
+        prof = profiler.run(model, [pdir], show=False)
         log(
             f"{name}: profile read {prof.read_gbps:.2f} GB/s ({prof.read_cpu_ms_per_mb:.2f} CPU ms/MB), "
             f"H {prof.h_ms_fixed:.2f} + {prof.h_ms_per_ktok:.2f} ms/1K, RE {prof.re_points}"

@@ -11,7 +11,7 @@ import shutil
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,16 +19,19 @@ from rich.progress import Progress
 
 from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
+from hcache.restore.plan import Method, Plan
 from hcache.restore.profile import Profile
+from hcache.restore.restorer import restore
 from hcache.storage.layout import Kind
 from hcache.storage.reader import Want
+from hcache.storage.source import StoreSource
 from hcache.storage.store import ChunkStore, StorageConfig
 
 SCRATCH = ".hcache-profile"
 RE_CONTEXTS = (256, 1024, 2048, 4096)
 IO_TOKENS = 4096
 H_TOKENS = (1024, 4096)
-PROFILE_VERSION = 3  # bumped when the profile gains a measurement: older files are re-measured
+PROFILE_VERSION = 4  # bumped when the profile gains a measurement: older files are re-measured
 # restores on this 2-core VM come within about +-10% of their predictions, and single
 # methods err less than mixes; a mix must win by more than that to be chosen
 CPU_MIX_MARGIN = 0.05
@@ -62,10 +65,15 @@ class IOResult:
     read_gbps: float
     latency_ms: float
     cpu_ms_per_mb: float  # every thread's CPU per MB of restore-shaped reads
+    h_points: dict[int, float] = field(default_factory=dict)  # tokens -> ms per layer, reads' CPU taken out
+    kv_points: dict[int, float] = field(default_factory=dict)
 
 
-def _io(model: DecoderModel, dirs: list[Path], tokens: int) -> IOResult:
-    """Restore-shaped reads of a scratch owner over `dirs` (half the layers H, half KV)."""
+def _io(model: DecoderModel, dirs: list[Path], tokens: int, compute: tuple[int, ...] = ()) -> IOResult:
+    """Restore-shaped reads of a scratch owner over `dirs` (half the layers H, half KV); for
+    each length in `compute`, the per-layer work of real H-only and KV-only restores. Those
+    run on data fresh from storage, as restores do (a re-run on one cache-hot tensor is far
+    faster on a CPU), and the CPU their reads took is taken out: the plan charges it apart."""
     scratch = [d / SCRATCH for d in dirs]
     for d in scratch:
         shutil.rmtree(d, ignore_errors=True)
@@ -100,7 +108,28 @@ def _io(model: DecoderModel, dirs: list[Path], tokens: int) -> IOResult:
                 used = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
                 cpu.append(used * 1e3 / (nbytes / 1e6))
             latency = _median_ms(lambda: st.read_chunk("profile", 0, 0, Kind.HIDDEN))
-            return IOResult(nbytes / secs / 1e9, latency, statistics.median(cpu))
+            res = IOResult(nbytes / secs / 1e9, latency, statistics.median(cpu))
+            elem = torch.finfo(model.dtype).bits // 8
+            for n in compute:
+                owner = f"profile-{n}"
+                st.create_owner(owner, both, model.fingerprint())
+                st.save_rows(
+                    owner, 0, dict.fromkeys(range(cfg.num_layers), h[:n]), dict.fromkeys(range(cfg.num_layers), kv[:n])
+                )
+                st.mark_durable(owner, [0] * n)
+                for m, width, points in (
+                    (Method.HIDDEN, cfg.hidden_size, res.h_points),
+                    (Method.KV, 2 * cfg.kv_dim, res.kv_points),
+                ):
+                    runs = []
+                    for i in range(4):  # the first warms buffers
+                        src = StoreSource(st, owner, model.fingerprint())
+                        _, rep = restore(model, Plan.uniform(cfg.num_layers, m), src)
+                        if i:
+                            runs.append(rep.ms_by_method[m.value] / cfg.num_layers)
+                    ms = statistics.median(runs)
+                    points[n] = max(ms - res.cpu_ms_per_mb * n * width * elem / 1e6, ms / 2)
+            return res
     finally:
         for d in scratch:
             shutil.rmtree(d, ignore_errors=True)
@@ -124,7 +153,7 @@ def run(
     re_contexts: tuple[int, ...] = RE_CONTEXTS,
 ) -> Profile:
     cfg, dev, dt = model.cfg, model.device, model.dtype
-    steps = len(dirs) + 1 + len(H_TOKENS) + len(re_contexts)
+    steps = len(dirs) + 1 + len(re_contexts)
     with Progress(disable=not show, transient=True) as bar:
         task = bar.add_task("profiling", total=steps)
         per_dir = []
@@ -133,34 +162,13 @@ def run(
             per_dir.append(_io(model, [d], io_tokens).read_gbps)
             bar.advance(task)
         bar.update(task, description="read bandwidth and restore compute, all directories")
-        io = _io(model, dirs, io_tokens)
+        bar.update(task, description="read bandwidth and restore compute, all directories")
+        io = _io(model, dirs, io_tokens, compute=H_TOKENS)
         read_gbps, latency = io.read_gbps, io.latency_ms
         bar.advance(task)
 
-        # every layer with its own weights, as a restore runs them (one layer re-run stays
-        # cache-hot), at two lengths: per-layer fixed costs matter for short contexts
-        h_points, kv_points = {}, {}
-        for n in H_TOKENS:
-            bar.update(task, description=f"H -> KV projection and KV placement, {n} tokens")
-            h = torch.randn(n, cfg.hidden_size, device=dev).to(dt)
-            pos = torch.arange(n, device=dev)
-            k = torch.randn(n, cfg.num_kv_heads, cfg.head_dim, device=dev).to(dt)
-            cache = KVCache(cfg, dt, dev, capacity=n)
-
-            def project(h: torch.Tensor = h, pos: torch.Tensor = pos, cache: KVCache = cache) -> None:
-                for layer in range(cfg.num_layers):
-                    k, v = model.kv_from_hidden(layer, h, pos)
-                    cache.write(layer, k, v, start=0)
-
-            def place(k: torch.Tensor = k, cache: KVCache = cache) -> None:
-                for layer in range(cfg.num_layers):
-                    cache.write(layer, k, k, start=0)
-
-            h_points[n] = _median_ms(project) / cfg.num_layers
-            kv_points[n] = _median_ms(place) / cfg.num_layers
-            bar.advance(task)
-        h_fixed, h_rate = affine(h_points)
-        kv_fixed, kv_rate = affine(kv_points)
+        h_fixed, h_rate = affine(io.h_points)
+        kv_fixed, kv_rate = affine(io.kv_points)
 
         re_points = {}
         for ctx in re_contexts:
