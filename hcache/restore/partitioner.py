@@ -20,6 +20,7 @@ from hcache.storage.layout import CHUNK_TOKENS, Kind
 class LayerCost:
     io_ms: float
     compute_ms: float
+    first_io_ms: float = 0.0  # paid once, by the first layer that reads: later requests are already in flight
 
 
 @dataclass
@@ -55,7 +56,7 @@ def layer_costs(geom: Geometry, prof: Profile, n: int, cap_gbps: float | None = 
         raise ValueError("read bandwidth must be positive")
 
     def io(nbytes: int) -> float:
-        return prof.read_latency_ms + nbytes / (gbps * 1e9) * 1e3
+        return nbytes / (gbps * 1e9) * 1e3
 
     def tax(nbytes: int) -> float:
         return prof.read_cpu_ms_per_mb * nbytes / 1e6
@@ -63,8 +64,8 @@ def layer_costs(geom: Geometry, prof: Profile, n: int, cap_gbps: float | None = 
     h, kv = geom.h_bytes(n), geom.kv_bytes(n)
     return {
         Method.RECOMPUTE: LayerCost(0.0, prof.re_ms(n)),
-        Method.HIDDEN: LayerCost(io(h), prof.h_ms(n) + tax(h)),
-        Method.KV: LayerCost(io(kv), prof.kv_ms(n) + tax(kv)),
+        Method.HIDDEN: LayerCost(io(h), prof.h_ms(n) + tax(h), prof.read_latency_ms),
+        Method.KV: LayerCost(io(kv), prof.kv_ms(n) + tax(kv), prof.read_latency_ms),
     }
 
 
@@ -77,7 +78,9 @@ def simulate(methods: list[Method] | tuple[Method, ...], costs: dict[Method, Lay
         if m == Method.RECOMPUTE:  # needs only token ids: starts as soon as compute is free
             compute_done += c.compute_ms
         else:
-            io_done += c.io_ms
+            first = c.first_io_ms if not io_total else 0.0
+            io_done += first + c.io_ms
+            io_total += first
             compute_done = max(compute_done, io_done) + c.compute_ms
         io_total += c.io_ms
         compute_total += c.compute_ms
@@ -180,10 +183,9 @@ def partition_tokenwise(geom: Geometry, prof: Profile, n_tokens: int, cap_gbps: 
     for split in sorted({*range(0, n_tokens, CHUNK_TOKENS), n_tokens}):
         h, kv = split, n_tokens - split
         nbytes = geom.h_bytes(h) + geom.kv_bytes(kv)
-        reads = (h > 0) + (kv > 0)
-        io = prof.read_latency_ms * reads + nbytes / (gbps * 1e9) * 1e3
+        io = nbytes / (gbps * 1e9) * 1e3
         compute = prof.h_ms(h) + prof.kv_ms(kv) + prof.read_cpu_ms_per_mb * nbytes / 1e6
-        costs = {Method.HIDDEN: LayerCost(io, compute)}
+        costs = {Method.HIDDEN: LayerCost(io, compute, prof.read_latency_ms)}
         io_ms, compute_ms, makespan = simulate([Method.HIDDEN] * geom.num_layers, costs)
         if best is None or makespan < best.makespan_ms:
             best = TokenwisePlan(split, n_tokens, io_ms, compute_ms, makespan, nbytes * geom.num_layers)
