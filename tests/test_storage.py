@@ -350,3 +350,21 @@ def test_read_ahead_covers_prefetch_bytes_past_the_consumer(dirs) -> None:
         r = st.reader("o")
         time.sleep(0.3)
         assert not r.slots[(GEOM.num_layers - 1, Kind.KV)].ready.is_set()  # one layer ahead, no more
+
+
+def test_reads_are_booked_in_layer_order_across_directories(dirs) -> None:
+    """Under a read cap the bandwidth goes to the layers a restore needs first: requests are
+    booked and submitted in layer order over all directories, not one directory at a time."""
+    kinds = [Kind.KV] * GEOM.num_layers
+    with open_store(dirs, read_cap_mbps=50.0) as st:
+        st.create_owner("o", kinds, "fp")
+        save(st, "o", 0, 256, kinds)
+        st.mark_durable("o", list(range(256)))
+        seen: list[tuple[int, int]] = []
+        submit = st.submit_read
+        st.submit_read = lambda d, fn, q: (seen.append((q.min_layer, d)), submit(d, fn, q))[1]
+        r = st.reader("o")
+        for i in range(GEOM.num_layers):
+            r.get(i)
+        assert len({d for _, d in seen}) == len(dirs)
+        assert [lay for lay, _ in seen] == sorted(lay for lay, _ in seen)

@@ -17,6 +17,7 @@ import torch
 from hcache.storage.errors import ChunkError
 from hcache.storage.layout import CHUNK_TOKENS, Kind, checksum, num_chunks
 from hcache.storage.manifest import ChunkRow
+from hcache.storage.throttle import wait_until
 
 if TYPE_CHECKING:
     from hcache.storage.store import ChunkStore
@@ -30,6 +31,7 @@ class Request:
     count: int
     chunks: list[ChunkRow]
     min_layer: int
+    not_before: float = 0.0  # under a read cap: when its bytes may go (booked in layer order)
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,7 @@ class OwnerReader:
         for slot in self.slots.values():
             self._layer_bytes[slot.want.layer] += math.prod(slot.shape) * store.shapes[slot.want.kind].dtype.itemsize
         self._last_layer = max(self._layer_bytes, default=0)
-        sizes = {s.slab: s.slot_bytes for s in store.shapes.values()}
+        sizes = self._slot_bytes = {s.slab: s.slot_bytes for s in store.shapes.values()}
         self._pending: dict[int, list[Request]] = defaultdict(list)
         reqs = plan_requests(
             rows,
@@ -169,14 +171,19 @@ class OwnerReader:
             while horizon <= self._last_layer and ahead < self.store.cfg.prefetch_bytes:
                 ahead += self._layer_bytes.get(horizon, 0)
                 horizon += 1
-            for d, reqs in self._pending.items():
+            due: list[Request] = []
+            for reqs in self._pending.values():
                 while reqs and reqs[0].min_layer < horizon:
-                    self.store.submit_read(d, self._run, reqs.pop(0))
+                    due.append(reqs.pop(0))
+            # a read cap is booked here, in layer order across all directories: booked by the
+            # reader threads, requests for later layers could take the bandwidth first
+            for q in sorted(due, key=lambda q: q.min_layer):
+                q.not_before = self.store.throttle.reserve(q.count * self._slot_bytes[q.slab])
+                self.store.submit_read(q.dir, self._run, q)
 
     def _run(self, q: Request, buf: memoryview) -> None:
         try:
             slab = self.store.slab(q.dir, q.slab)
-            self.store.throttle.take(q.count * slab.slot_bytes)
             got = slab.read(q.first, q.count, buf)
         except Exception as e:  # any failure is this request's chunks' failure, never a hang
             for r in q.chunks:
@@ -314,6 +321,9 @@ class ReadPool:
     def _loop(self, q: queue.Queue) -> None:
         while (item := q.get()) is not None:
             fn, req = item
+            # wait for a capped request's turn before taking a buffer: a sleeping request must
+            # not hold one that an earlier-booked request (another directory's) needs now
+            wait_until(req.not_before)
             buf = self.buffers.get()
             try:
                 fn(req, buf)

@@ -19,9 +19,10 @@ class TokenBucket:
             self.tokens = 0.0
             self.stamp = time.monotonic()
 
-    def take(self, n: int) -> float:
-        """Block until `n` bytes may go; returns the seconds waited. Requests larger than the
-        burst go into debt, so the long-run rate holds for any request size."""
+    def reserve(self, n: int) -> float:
+        """Book `n` bytes now; returns the `time.monotonic()` at which they may go. Requests
+        larger than the burst go into debt, so the long-run rate holds for any request size;
+        bookings are served in the order they are made."""
         if self.rate <= 0:
             return 0.0
         with self.lock:
@@ -29,7 +30,16 @@ class TokenBucket:
             self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
             self.stamp = now
             self.tokens -= n
-            delay = -self.tokens / self.rate if self.tokens < 0 else 0.0
-        if delay:
-            time.sleep(delay)
+            return now + (-self.tokens / self.rate if self.tokens < 0 else 0.0)
+
+    def take(self, n: int) -> float:
+        """Block until `n` bytes may go; returns the seconds waited."""
+        return wait_until(self.reserve(n))
+
+
+def wait_until(when: float) -> float:
+    delay = when - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
         return delay
+    return 0.0
