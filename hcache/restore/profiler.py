@@ -111,12 +111,12 @@ def _io(model: DecoderModel, dirs: list[Path], tokens: int, compute: tuple[int, 
             res = IOResult(nbytes / secs / 1e9, latency, statistics.median(cpu))
             elem = torch.finfo(model.dtype).bits // 8
             for n in compute:
-                owner = f"profile-{n}"
-                st.create_owner(owner, both, model.fingerprint())
-                st.save_rows(
-                    owner, 0, dict.fromkeys(range(cfg.num_layers), h[:n]), dict.fromkeys(range(cfg.num_layers), kv[:n])
-                )
-                st.mark_durable(owner, [0] * n)
+                owner = "profile" if n == tokens else f"profile-{n}"  # the read owner serves its own length
+                if n != tokens:
+                    st.create_owner(owner, both, model.fingerprint())
+                    layers = range(cfg.num_layers)
+                    st.save_rows(owner, 0, dict.fromkeys(layers, h[:n]), dict.fromkeys(layers, kv[:n]))
+                    st.mark_durable(owner, [0] * n)
                 for m, width, points in (
                     (Method.HIDDEN, cfg.hidden_size, res.h_points),
                     (Method.KV, 2 * cfg.kv_dim, res.kv_points),

@@ -86,7 +86,8 @@ def plan_requests(
         key = (r.dir, r.slab)
         rs, limit = by_slab[key], max(1, size[key] // slot_bytes[r.slab])
         cur = [r]
-        for nxt in rs[where[id(r)] + 1 :]:
+        for j in range(where[id(r)] + 1, len(rs)):  # indices, not a slice: most requests stop early
+            nxt = rs[j]
             far = nxt.layer - r.layer >= ahead
             if id(nxt) in taken or far or nxt.slot - cur[-1].slot > max_gap or nxt.slot - r.slot >= limit:
                 break
