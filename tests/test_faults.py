@@ -14,6 +14,7 @@ import time
 
 import grpc
 import pytest
+from conftest import tload
 from engine_helpers import make_engine, profile_for, reference, turn, word_tokenizer
 from test_serve_cli import free_port
 
@@ -21,7 +22,6 @@ from hcache.client import Client, wait_for_server
 from hcache.engine.errors import ResourceExhausted
 from hcache.engine.generate import ChatSession
 from hcache.engine.sampler import SamplingParams
-from hcache.model.loader import load
 from hcache.restore.plan import Method
 
 
@@ -45,7 +45,7 @@ def expected(m, tok, acked: list[str], msg: str, p: SamplingParams) -> str:
 
 @pytest.fixture
 def tiny(tiny_folder):
-    return load(str(tiny_folder("llama_gqa"))).model
+    return tload(tiny_folder("llama_gqa"))
 
 
 def test_full_directory_refuses_the_turn_and_keeps_state(default_model, tmp_path):

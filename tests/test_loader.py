@@ -51,3 +51,12 @@ def test_tied_embeddings_stay_tied() -> None:
         shapes = {n: p.shape for n, p in Llama(cfg).state_dict().items()}
     model = build_model(cfg, {n: torch.randn(s) for n, s in shapes.items() if n != "lm_head.weight"})
     assert model.lm_head.weight is model.embed_tokens.weight
+
+
+def test_bench_default_geometry_is_the_ggufs(default_model) -> None:
+    """The restore bench's stand-in for the default model (GPU machines without the GGUF)."""
+    from dataclasses import replace
+
+    from hcache.model.loader import DEFAULT_GEOMETRY
+
+    assert replace(default_model.model.cfg, norm_eps=1e-5) == DEFAULT_GEOMETRY

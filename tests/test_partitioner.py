@@ -115,6 +115,18 @@ def test_recompute_fit_is_quadratic_in_context() -> None:
     assert prof.re_ms(8000) == pytest.approx(0.008 * 8000 + 2e-6 * 8000**2, rel=1e-6)
 
 
+def test_recompute_fit_keeps_a_fixed_part() -> None:
+    """A GPU runs a small model's layer in launch time whatever the length (measured on an H100:
+    about 1 ms per layer from 256 to 4096 tokens); through the origin the fit made a 1K-token
+    recompute look 3x cheaper than it is and the planner chose recompute-heavy mixes that lost."""
+    flat = Profile("gpu", 1, 0, 1, 1, {256: 1.01, 1024: 1.05, 2048: 1.04, 4096: 1.10})
+    assert flat.re_ms(1024) == pytest.approx(1.05, rel=0.03) and flat.re_ms(256) == pytest.approx(1.01, rel=0.03)
+    growing = {n: 0.9 + 3e-4 * n + 2e-8 * n * n for n in (256, 1024, 2048, 4096)}
+    fit = Profile("gpu", 1, 0, 1, 1, growing)
+    assert fit.re_ms(16384) == pytest.approx(0.9 + 3e-4 * 16384 + 2e-8 * 16384**2, rel=1e-6)
+    assert Profile("one point", 1, 0, 1, 1, {256: 2.0}).re_ms(1024) == pytest.approx(8.0)  # grows, no guess
+
+
 def test_plan_decides_what_is_stored() -> None:
     from hcache.restore.partitioner import storage_kinds
     from hcache.restore.plan import Plan

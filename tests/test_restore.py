@@ -6,11 +6,11 @@ import random
 
 import pytest
 import torch
-from conftest import TINY, rel_err
+from conftest import TINY, rel_err, tload
 
 from hcache.engine.generate import generate
 from hcache.engine.sampler import SamplingParams
-from hcache.model import KVCache, load
+from hcache.model import KVCache
 from hcache.model.base import DecoderModel
 from hcache.restore.plan import Method, Plan
 from hcache.restore.restorer import restore
@@ -21,14 +21,20 @@ REL = 1e-5
 
 
 @pytest.fixture(params=MODELS)
-def model(request, tiny_folder, default_model) -> DecoderModel:
-    return default_model.model if request.param == "default" else load(str(tiny_folder(request.param))).model
+def model(request, tiny_folder) -> DecoderModel:
+    if request.param == "default":
+        return request.getfixturevalue("default_model").model
+    return tload(tiny_folder(request.param))
 
 
 def chat_like(model: DecoderModel) -> tuple[MemoryState, KVCache]:
     """Two prompts and two decodes, as a session builds its state over turns."""
     g = torch.Generator().manual_seed(7)
-    state, cache = MemoryState(model.cfg, model.dtype, capacity=4), KVCache(model.cfg, model.dtype, capacity=4)
+    dev = model.device
+    state, cache = (
+        MemoryState(model.cfg, model.dtype, dev, capacity=4),
+        KVCache(model.cfg, model.dtype, dev, capacity=4),
+    )
     for n_prompt, n_new in ((40, 8), (25, 5)):
         prompt = torch.randint(3, model.cfg.vocab_size, (n_prompt,), generator=g).tolist()
         list(generate(model, cache, prompt, SamplingParams(max_new_tokens=n_new), set(), state))
@@ -57,7 +63,7 @@ def test_single_method(model: DecoderModel, method: Method) -> None:
 
 def test_kv_from_hidden_each_layer(model: DecoderModel) -> None:
     state, _ = chat_like(model)
-    pos = torch.arange(len(state.tokens))
+    pos = torch.arange(len(state.tokens), device=model.device)
     for layer in range(model.cfg.num_layers):
         k, v = model.kv_from_hidden(layer, state.hidden(layer), pos)
         want_k, want_v = state.kv(layer)
@@ -80,7 +86,7 @@ def test_random_mixed_plans_and_continuation(model: DecoderModel) -> None:
 
 
 def test_restore_bfloat16_within_rounding(tiny_folder) -> None:
-    model = load(str(tiny_folder("llama_gqa")), "bfloat16").model
+    model = tload(tiny_folder("llama_gqa"), "bfloat16")
     state, _ = chat_like(model)
     plan = Plan.split(model.cfg.num_layers, 1, 1)
     restored, _ = restore(model, plan, state)

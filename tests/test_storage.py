@@ -352,6 +352,28 @@ def test_read_ahead_covers_prefetch_bytes_past_the_consumer(dirs) -> None:
         assert not r.slots[(GEOM.num_layers - 1, Kind.KV)].ready.is_set()  # one layer ahead, no more
 
 
+def test_read_buffers_are_reused_by_the_next_restore(dirs) -> None:
+    """Layer buffers freed by one restore serve the next: a reader holds every layer read
+    ahead (more than the layer window when layers are small) and all of them come back."""
+    kinds = [Kind.KV] * GEOM.num_layers
+    with open_store(dirs[:1], prefetch_layers=1) as st:
+        st.create_owner("o", kinds, "fp")
+        save(st, "o", 0, 64, kinds)
+        st.mark_durable("o", list(range(64)))
+
+        def restore_all() -> None:
+            r = st.reader("o")
+            for layer in range(GEOM.num_layers):
+                r.get(layer, Kind.KV)
+            for layer in range(GEOM.num_layers):  # a restore keeps each layer until it is placed
+                r.release(layer)
+
+        restore_all()
+        first = st.stats.read_buffers_allocated
+        restore_all()
+        assert first >= GEOM.num_layers and st.stats.read_buffers_allocated == first
+
+
 def test_reads_are_booked_in_layer_order_across_directories(dirs) -> None:
     """Under a read cap the bandwidth goes to the layers a restore needs first: requests are
     booked and submitted in layer order over all directories, not one directory at a time."""

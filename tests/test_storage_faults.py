@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tload
 from storage_helpers import GEOM, check_all
 
 from hcache.engine.generate import ChatSession
 from hcache.engine.sampler import SamplingParams
-from hcache.model import load
 from hcache.restore.plan import Method, Plan
 from hcache.storage.fsck import fsck
 from hcache.storage.layout import Kind
@@ -66,7 +66,7 @@ def test_kill_9_mid_flush_loses_no_durable_turn(tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_llama(tiny_folder):
-    return load(str(tiny_folder("llama_gqa"))).model
+    return tload(tiny_folder("llama_gqa"))
 
 
 def _session_tokens(model, store, owner: str, turns: int = 3) -> list[int]:
@@ -75,7 +75,7 @@ def _session_tokens(model, store, owner: str, turns: int = 3) -> list[int]:
     from hcache.model import KVCache
 
     rec = StoreRecorder(store, owner)
-    cache = KVCache(model.cfg, model.dtype)
+    cache = KVCache(model.cfg, model.dtype, model.device)
     g = torch.Generator().manual_seed(5)
     for _ in range(turns):
         prompt = torch.randint(3, model.cfg.vocab_size, (int(torch.randint(20, 90, (1,), generator=g)),), generator=g)
@@ -97,14 +97,17 @@ def test_store_restore_exact_with_corrupt_chunk_fallback(tiny_llama, tmp_path, c
         d.mkdir()
     kinds = [None, Kind.HIDDEN, Kind.KV]
     fp = model.fingerprint()
-    with ChunkStore(StorageConfig([str(d) for d in dirs]), model.cfg, model.dtype) as st:
+    with ChunkStore(StorageConfig([str(d) for d in dirs]), model.cfg, model.dtype, str(model.device)) as st:
         st.create_owner("s", kinds, fp)
         tokens = _session_tokens(model, st, "s")
     # reference: a never-evicted cache over the same tokens
-    ref_cache, ref_state = KVCache(model.cfg, model.dtype), MemoryState(model.cfg, model.dtype)
+    dev = model.device
+    ref_cache, ref_state = KVCache(model.cfg, model.dtype, dev), MemoryState(model.cfg, model.dtype, dev)
     list(generate(model, ref_cache, tokens, SamplingParams(max_new_tokens=1), set(), ref_state))
     want = list(generate(model, ref_cache, [7, 8, 9], SamplingParams(max_new_tokens=8), set()))
-    with ChunkStore(StorageConfig([str(d) for d in dirs]), model.cfg, model.dtype) as st:  # after a restart
+    with ChunkStore(
+        StorageConfig([str(d) for d in dirs]), model.cfg, model.dtype, str(model.device)
+    ) as st:  # after a restart
         if corrupt:
             row = next(r for r in st.manifest.chunks("s") if r.layer == 2 and r.idx == 1)
             with open(st.dirs[row.dir] / f"{row.slab}.slab", "r+b") as f:
@@ -124,13 +127,13 @@ def test_store_restore_exact_with_corrupt_chunk_fallback(tiny_llama, tmp_path, c
 def test_other_model_fingerprint_is_refused(tiny_llama, tiny_folder, tmp_path) -> None:
     from hcache.storage.errors import FingerprintMismatch
 
-    other = load(str(tiny_folder("llama_mha"))).model
+    other = tload(tiny_folder("llama_mha"))
     with ChunkStore(StorageConfig([str(tmp_path)]), tiny_llama.cfg, tiny_llama.dtype) as st:
         st.create_owner("s", [Kind.KV] * 3, tiny_llama.fingerprint())
         assert other.fingerprint() != tiny_llama.fingerprint()
         with pytest.raises(FingerprintMismatch, match="saved by another model"):
             StoreSource(st, "s", other.fingerprint())
-    bf16 = load(str(tiny_folder("llama_gqa")), "bfloat16").model
+    bf16 = tload(tiny_folder("llama_gqa"), "bfloat16")
     assert bf16.fingerprint() != tiny_llama.fingerprint()
 
 

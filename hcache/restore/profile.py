@@ -3,9 +3,12 @@ rates, measured by the profiler or derived from a hypothetical machine's peak nu
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from hcache.config import ModelConfig
 
@@ -71,22 +74,9 @@ class Profile:
         return self.kv_ms_fixed + self.kv_ms_per_ktok * n / 1000 if n else 0.0
 
     def re_ms(self, n: int) -> float:
-        """One layer's recompute at context n: a least-squares fit of a*n + b*n^2 (b >= 0)."""
-        pts = sorted(self.re_points.items())
-        if not pts:
-            raise ValueError("profile has no recompute measurements")
-        s11 = sum(x * x for x, _ in pts)
-        s12 = sum(x**3 for x, _ in pts)
-        s22 = sum(x**4 for x, _ in pts)
-        t1 = sum(x * y for x, y in pts)
-        t2 = sum(x * x * y for x, y in pts)
-        det = s11 * s22 - s12 * s12
-        if len(pts) >= 2 and det > 0:
-            a = (t1 * s22 - t2 * s12) / det
-            b = (s11 * t2 - s12 * t1) / det
-            if b >= 0 and a >= 0:
-                return a * n + b * n * n
-        return t1 / s11 * n  # linear through the origin
+        """One layer's recompute at context n, from the fit of c + a*n + b*n^2 (all >= 0)."""
+        c, a, b = _fit_re(tuple(sorted(self.re_points.items())))
+        return c + a * n + b * n * n
 
     @classmethod
     def hypothetical(
@@ -108,3 +98,32 @@ class Profile:
         d = json.loads(Path(path).read_text())
         d["re_points"] = {int(k): float(v) for k, v in d["re_points"].items()}
         return cls(**d)
+
+
+# basis subsets tried by the recompute fit, in order of preference on ties: a GPU's small
+# layers cost a fixed launch time whatever the length (c), a CPU's grow from zero (a, b)
+_RE_BASES = (("a", "b"), ("c", "a", "b"), ("c", "a"), ("a",), ("c", "b"), ("b",), ("c",))
+
+
+@functools.lru_cache(maxsize=64)
+def _fit_re(pts: tuple[tuple[int, float], ...]) -> tuple[float, float, float]:
+    """Least squares with non-negative coefficients, by trying every subset of the basis
+    (three unknowns: cheaper and clearer than a general NNLS)."""
+    if not pts:
+        raise ValueError("profile has no recompute measurements")
+    k = np.array([x for x, _ in pts], dtype=np.float64) / 1000  # per 1K tokens: better conditioned
+    y = np.array([t for _, t in pts], dtype=np.float64)
+    cols = {"c": np.ones_like(k), "a": k, "b": k * k}
+    best: tuple[float, dict[str, float]] | None = None
+    for basis in _RE_BASES:
+        if len(basis) > len(pts):
+            continue
+        coef, *_ = np.linalg.lstsq(np.stack([cols[v] for v in basis], 1), y, rcond=None)
+        if (coef < 0).any():
+            continue
+        sse = float(((np.stack([cols[v] for v in basis], 1) @ coef - y) ** 2).sum())
+        if best is None or sse < best[0] - 1e-12 * max(1.0, float((y**2).sum())):
+            best = (sse, dict(zip(basis, coef.tolist(), strict=True)))
+    assert best is not None  # ("a",) always fits: the points are positive
+    f = best[1]
+    return f.get("c", 0.0), f.get("a", 0.0) / 1000, f.get("b", 0.0) / 1e6

@@ -29,6 +29,8 @@ from hcache.storage.store import ChunkStore, StorageConfig
 
 SCRATCH = ".hcache-profile"
 RE_CONTEXTS = (256, 1024, 2048, 4096)
+# a GPU recomputes long contexts in milliseconds: measure the quadratic part, don't extrapolate it
+RE_CONTEXTS_GPU = (*RE_CONTEXTS, 8192, 16384)
 IO_TOKENS = 4096
 H_TOKENS = (1024, 4096)
 PROFILE_VERSION = 4  # bumped when the profile gains a measurement: older files are re-measured
@@ -150,9 +152,11 @@ def run(
     dirs: list[Path],
     io_tokens: int = IO_TOKENS,
     show: bool = True,
-    re_contexts: tuple[int, ...] = RE_CONTEXTS,
+    re_contexts: tuple[int, ...] | None = None,
 ) -> Profile:
     cfg, dev, dt = model.cfg, model.device, model.dtype
+    if re_contexts is None:
+        re_contexts = RE_CONTEXTS if dev.type == "cpu" else RE_CONTEXTS_GPU
     steps = len(dirs) + 1 + len(re_contexts)
     with Progress(disable=not show, transient=True) as bar:
         task = bar.add_task("profiling", total=steps)

@@ -64,10 +64,13 @@ class _DeviceFeed:
         if not self.cuda:
             return tuple(t.to(self.device) for t in ts)
         assert self.stream is not None
+        compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
             out = tuple(t.to(self.device, non_blocking=True) for t in ts)
             done = torch.cuda.Event()
             done.record(self.stream)
+        for t in out:  # used on the compute stream: its memory must not be reused before that is done
+            t.record_stream(compute)
         # the host buffers go back to the reader's pool right after: the copy must have landed
         done.synchronize()
         return out

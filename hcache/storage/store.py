@@ -83,6 +83,7 @@ class StoreStats:
     dropped_stale_chunks: int = 0
     bytes_read: int = 0
     read_bytes_by_dir: list[int] = field(default_factory=list)
+    read_buffers_allocated: int = 0  # fresh layer buffers (pinned on CUDA: slow to allocate)
 
 
 class ChunkStore:
@@ -119,6 +120,8 @@ class ChunkStore:
         self.seqs: dict[tuple[str, int, int, str], int] = {}
         self.errors: dict[str, Exception] = {}
         self._buffers: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        self._pooled_bytes = 0
+        self.pinned = torch.device(device).type == "cuda" and torch.cuda.is_available()
         self.stats = StoreStats(read_bytes_by_dir=[0] * len(self.dirs))
         self.on_flush: Callable[[int, float], None] | None = None  # (directory, seconds) per written group
         self.throttle = TokenBucket(cfg.read_cap_mbps * 1e6)
@@ -320,16 +323,23 @@ class ChunkStore:
         with self.lock:
             free = self._buffers.get((size,))
             flat = free.pop() if free else None
-        if flat is None:
-            flat = torch.empty(size, dtype=self.dtype)
+            if flat is not None:
+                self._pooled_bytes -= flat.nbytes
+        if flat is None:  # pinned on CUDA: the restorer's host-to-device copies then run async
+            flat = torch.empty(size, dtype=self.dtype, pin_memory=self.pinned)
+            self.stats.read_buffers_allocated += 1
         return flat[:n].view(shape)
 
     def give_buffer(self, t: torch.Tensor) -> None:
+        """Keep what one restore's read-ahead holds (the layer window or `prefetch_bytes`, and
+        a little more) so the next restore allocates nothing; on CUDA a fresh pinned buffer
+        costs milliseconds and stalls the device."""
         flat = t._base if t._base is not None else t
+        keep = max(2 * self.cfg.prefetch_bytes, (self.cfg.prefetch_layers + 2) * flat.nbytes)
         with self.lock:
-            free = self._buffers.setdefault((flat.numel(),), [])
-            if len(free) < self.cfg.prefetch_layers + 2:
-                free.append(flat)
+            if self._pooled_bytes + flat.nbytes <= keep:
+                self._buffers.setdefault((flat.numel(),), []).append(flat)
+                self._pooled_bytes += flat.nbytes
 
     def dispatch(self, w: ChunkWrite) -> None:
         """Place a chunk: its home directory, or the next one with room; then queue its write."""
