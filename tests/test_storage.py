@@ -374,6 +374,27 @@ def test_read_buffers_are_reused_by_the_next_restore(dirs) -> None:
         assert first >= GEOM.num_layers and st.stats.read_buffers_allocated == first
 
 
+def test_storage_threads_copy_on_one_core(dirs) -> None:
+    """Reader and writer threads run their torch copies on one core each; the caller keeps
+    its own thread count (a per-thread setting)."""
+    import threading
+    from types import SimpleNamespace
+
+    before = torch.get_num_threads()
+    with open_store(dirs[:1]) as st:
+        seen: list[tuple[str, int]] = []
+        st.on_flush = lambda d, s: seen.append(("writer", torch.get_num_threads()))
+        st.create_owner("o", KINDS, "fp")
+        save(st, "o", 0, 64, KINDS)
+        st.mark_durable("o", list(range(64)))
+        done = threading.Event()
+        st.reads.submit(0, lambda q, buf: (seen.append(("reader", torch.get_num_threads())), done.set()),
+                        SimpleNamespace(not_before=0.0))  # fmt: skip
+        assert done.wait(10)
+    assert ("writer", 1) in seen and ("reader", 1) in seen and all(n == 1 for _, n in seen)
+    assert torch.get_num_threads() == before
+
+
 def test_reads_are_booked_in_layer_order_across_directories(dirs) -> None:
     """Under a read cap the bandwidth goes to the layers a restore needs first: requests are
     booked and submitted in layer order over all directories, not one directory at a time."""

@@ -20,6 +20,7 @@ import torch
 from hcache.storage.errors import StorageError
 from hcache.storage.layout import CHUNK_TOKENS, Kind, checksum
 from hcache.storage.manifest import ChunkRow
+from hcache.storage.reader import one_core_copies
 from hcache.storage.staging import StagedBatch
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ class Packer(threading.Thread):
         self.seq = 0
 
     def run(self) -> None:
+        one_core_copies()
         while (item := self.inbox.get()) is not None:
             try:
                 if isinstance(item, StagedBatch):
@@ -194,6 +196,7 @@ class DirWriter(threading.Thread):
         self.bytes_written = 0
 
     def run(self) -> None:
+        one_core_copies()
         while (first := self.inbox.get()) is not None:
             group, size, stop = [first], self.slot_max, False
             while size + self.slot_max <= self.group_bytes:

@@ -300,6 +300,15 @@ class OwnerReader:
                 slot.out = None
 
 
+def one_core_copies() -> None:
+    """Storage threads place and pack with torch copies; by default each copy over a few
+    hundred KB would start an OpenMP team of every core, and with dozens of such threads
+    the cores are oversubscribed and the restore's compute thread starves (measured on a
+    16-core GPU host: a 7-layer recompute prefix ran 6x slower while KV was read). The
+    setting is per thread: the compute thread keeps its own."""
+    torch.set_num_threads(1)
+
+
 class ReadPool:
     """Per-directory reader threads sharing a pool of aligned request buffers."""
 
@@ -320,6 +329,7 @@ class ReadPool:
         self.queues[d].put((fn, req))
 
     def _loop(self, q: queue.Queue) -> None:
+        one_core_copies()
         while (item := q.get()) is not None:
             fn, req = item
             # wait for a capped request's turn before taking a buffer: a sleeping request must
