@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from hcache.model.loader import DEFAULT_GEOMETRY
 from hcache.restore.partitioner import layer_costs, partition, simulate
 from hcache.restore.plan import Method
 from hcache.restore.profile import Geometry, Profile
@@ -37,6 +38,7 @@ def random_profile(rng: random.Random) -> Profile:
         h_ms_fixed=rng.choice([0.0, rng.uniform(0, 3)]),
         kv_ms_fixed=rng.choice([0.0, rng.uniform(0, 1)]),
         read_cpu_ms_per_mb=rng.choice([0.0, rng.uniform(0, 1)]),
+        read_setup_ms=rng.choice([0.0, rng.uniform(0, 30)]),
         re_points={256: rng.uniform(0.1, 10), 4096: rng.uniform(10, 400)},
     )
 
@@ -182,3 +184,21 @@ def test_affine_fit_of_per_layer_costs() -> None:
     prof = Profile("p", 1, 0, 2.0, 0.5, {1000: 1.0}, h_ms_fixed=1.5, kv_ms_fixed=0.25)
     assert prof.h_ms(2000) == pytest.approx(5.5) and prof.kv_ms(2000) == pytest.approx(1.25)
     assert prof.h_ms(0) == 0 and prof.kv_ms(0) == 0
+
+
+def test_read_setup_is_paid_once_and_can_make_recompute_win() -> None:
+    """A GPU recomputes a small model's layer in ~1 ms of launches; starting reads costs the
+    compute thread a fixed time first (measured on an H100: plans that read a few layers
+    lost 10-40 ms to all-recompute). With that cost known, the planner stays on recompute."""
+    geom = Geometry.of(DEFAULT_GEOMETRY, 2)
+    base = dict(read_gbps=1.2, read_latency_ms=0.3, h_ms_per_ktok=0.2, kv_ms_per_ktok=0.05,
+                h_ms_fixed=0.6, kv_ms_fixed=0.4, re_points={256: 1.0, 1024: 1.0, 4096: 1.0})  # fmt: skip
+    free = partition(geom, Profile("gpu", **base), 1024)
+    assert free.plan.counts()["kv"] > 0  # reads look free: a mix
+    costly = Profile("gpu", **base, read_setup_ms=25.0)
+    got = partition(geom, costly, 1024)
+    assert got.plan.counts() == {"recompute": 30, "hidden": 0, "kv": 0}
+    kv_only = simulate((Method.KV,) * 30, layer_costs(geom, costly, 1024))
+    kv_free = simulate((Method.KV,) * 30, layer_costs(geom, Profile("gpu", **base), 1024))
+    assert kv_only[2] == pytest.approx(kv_free[2] + 25.0) and kv_only[1] == pytest.approx(kv_free[1] + 25.0)
+    assert simulate((Method.RECOMPUTE,) * 30, layer_costs(geom, costly, 1024))[2] == pytest.approx(30.0)

@@ -172,7 +172,8 @@ def run(
         prof = profiler.run(model, [pdir], show=False)
         log(
             f"{name}: profile read {prof.read_gbps:.2f} GB/s ({prof.read_cpu_ms_per_mb:.2f} CPU ms/MB), "
-            f"H {prof.h_ms_fixed:.2f} + {prof.h_ms_per_ktok:.2f} ms/1K, RE {prof.re_points}"
+            f"H {prof.h_ms_fixed:.2f} + {prof.h_ms_per_ktok:.2f} ms/1K, RE {prof.re_points}, "
+            f"reads cost compute {prof.read_setup_ms:.1f} ms + {prof.read_cpu_ms_per_mb:.3f} ms/MB"
         )
         for n in contexts:
             real = n <= real_max

@@ -21,6 +21,7 @@ class LayerCost:
     io_ms: float
     compute_ms: float
     first_io_ms: float = 0.0  # paid once, by the first layer that reads: later requests are already in flight
+    setup_ms: float = 0.0  # paid once on both streams before anything starts, by a plan that reads
 
 
 @dataclass
@@ -64,15 +65,17 @@ def layer_costs(geom: Geometry, prof: Profile, n: int, cap_gbps: float | None = 
     h, kv = geom.h_bytes(n), geom.kv_bytes(n)
     return {
         Method.RECOMPUTE: LayerCost(0.0, prof.re_ms(n)),
-        Method.HIDDEN: LayerCost(io(h), prof.h_ms(n) + tax(h), prof.read_latency_ms),
-        Method.KV: LayerCost(io(kv), prof.kv_ms(n) + tax(kv), prof.read_latency_ms),
+        Method.HIDDEN: LayerCost(io(h), prof.h_ms(n) + tax(h), prof.read_latency_ms, prof.read_setup_ms),
+        Method.KV: LayerCost(io(kv), prof.kv_ms(n) + tax(kv), prof.read_latency_ms, prof.read_setup_ms),
     }
 
 
 def simulate(methods: list[Method] | tuple[Method, ...], costs: dict[Method, LayerCost]) -> tuple[float, float, float]:
     """(io_ms, compute_ms, makespan_ms) of executing layers in index order on the two streams."""
-    io_done = compute_done = 0.0
-    io_total = compute_total = 0.0
+    # the restorer plans and issues a plan's reads on the compute thread before anything else
+    setup = max((costs[m].setup_ms for m in methods if m != Method.RECOMPUTE), default=0.0)
+    io_done = compute_done = compute_total = setup
+    io_total = 0.0
     for m in methods:
         c = costs[m]
         if m == Method.RECOMPUTE:  # needs only token ids: starts as soon as compute is free
@@ -185,7 +188,7 @@ def partition_tokenwise(geom: Geometry, prof: Profile, n_tokens: int, cap_gbps: 
         nbytes = geom.h_bytes(h) + geom.kv_bytes(kv)
         io = nbytes / (gbps * 1e9) * 1e3
         compute = prof.h_ms(h) + prof.kv_ms(kv) + prof.read_cpu_ms_per_mb * nbytes / 1e6
-        costs = {Method.HIDDEN: LayerCost(io, compute, prof.read_latency_ms)}
+        costs = {Method.HIDDEN: LayerCost(io, compute, prof.read_latency_ms, prof.read_setup_ms)}
         io_ms, compute_ms, makespan = simulate([Method.HIDDEN] * geom.num_layers, costs)
         if best is None or makespan < best.makespan_ms:
             best = TokenwisePlan(split, n_tokens, io_ms, compute_ms, makespan, nbytes * geom.num_layers)

@@ -66,6 +66,9 @@ class Profile:
     mix_margin: float = 0.0
     h_ms_fixed: float = 0.0  # per layer, whatever the length (launches, norms, small copies)
     kv_ms_fixed: float = 0.0
+    # compute-side cost of a restore that reads at all (planning the reads, starting readers),
+    # paid once before its first layer; with `read_cpu_ms_per_mb`, what reads take from compute
+    read_setup_ms: float = 0.0
 
     def h_ms(self, n: int) -> float:
         return self.h_ms_fixed + self.h_ms_per_ktok * n / 1000 if n else 0.0

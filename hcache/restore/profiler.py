@@ -33,7 +33,7 @@ RE_CONTEXTS = (256, 1024, 2048, 4096)
 RE_CONTEXTS_GPU = (*RE_CONTEXTS, 8192, 16384)
 IO_TOKENS = 4096
 H_TOKENS = (1024, 4096)
-PROFILE_VERSION = 4  # bumped when the profile gains a measurement: older files are re-measured
+PROFILE_VERSION = 5  # bumped when the profile gains a measurement: older files are re-measured
 # restores on this 2-core VM come within about +-10% of their predictions, and single
 # methods err less than mixes; a mix must win by more than that to be chosen
 CPU_MIX_MARGIN = 0.05
@@ -137,6 +137,38 @@ def _io(model: DecoderModel, dirs: list[Path], tokens: int, compute: tuple[int, 
             shutil.rmtree(d, ignore_errors=True)
 
 
+def _reads_cost_to_compute(model: DecoderModel, dirs: list[Path], prof: Profile, tokens: int) -> dict[float, float]:
+    """MB read -> compute-thread ms lost, from real RE-prefix + KV restores that read one layer
+    and half the layers: the compute thread's busy time over what the prefix and the placement
+    take alone. On a GPU that thread is bound by kernel launches, and planning the reads and the
+    readers' Python (checksums, placement, the GIL) take from it (measured on an H100: a 7-layer
+    prefix ran 3-6x slower while KV was read)."""
+    cfg, L = model.cfg, model.cfg.num_layers
+    scratch = [d / SCRATCH for d in dirs]
+    for d in scratch:
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+    points: dict[float, float] = {}
+    try:
+        with ChunkStore(StorageConfig([str(d) for d in scratch]), cfg, model.dtype, str(model.device)) as st:
+            st.create_owner("mix", [{Kind.KV}] * L, model.fingerprint())
+            kv = torch.randn(tokens, 2, cfg.kv_dim).to(model.dtype)
+            st.save_rows("mix", 0, {}, dict.fromkeys(range(L), kv))
+            st.mark_durable("mix", [0] * tokens)
+            for n_kv in sorted({1, min(L, max(2, L // 2))}):
+                alone = (L - n_kv) * prof.re_ms(tokens) + n_kv * prof.kv_ms(tokens)
+                runs = []
+                for i in range(4):  # the first warms buffers
+                    _, rep = restore(model, Plan.split(L, L - n_kv, 0), StoreSource(st, "mix", model.fingerprint()))
+                    if i:
+                        runs.append(sum(rep.ms_by_method.values()) - alone)
+                points[n_kv * kv.nbytes / 1e6] = statistics.median(runs)
+    finally:
+        for d in scratch:
+            shutil.rmtree(d, ignore_errors=True)
+    return points
+
+
 def affine(points: dict[int, float]) -> tuple[float, float]:
     """(fixed ms, ms per 1K tokens) through two measurements; no negative fixed part."""
     (n1, t1), (n2, t2) = sorted(points.items())
@@ -153,10 +185,15 @@ def run(
     io_tokens: int = IO_TOKENS,
     show: bool = True,
     re_contexts: tuple[int, ...] | None = None,
+    reads_vs_compute: bool | None = None,
 ) -> Profile:
+    """`reads_vs_compute`: measure what reads take from the compute thread in mixed restores
+    (default: on accelerators; on a CPU the readers' own CPU time per MB is charged instead)."""
     cfg, dev, dt = model.cfg, model.device, model.dtype
     if re_contexts is None:
         re_contexts = RE_CONTEXTS if dev.type == "cpu" else RE_CONTEXTS_GPU
+    if reads_vs_compute is None:
+        reads_vs_compute = dev.type != "cpu"
     steps = len(dirs) + 1 + len(re_contexts)
     with Progress(disable=not show, transient=True) as bar:
         task = bar.add_task("profiling", total=steps)
@@ -188,7 +225,7 @@ def run(
 
             re_points[ctx] = _median_ms(some_layers, repeats=3) / depth
             bar.advance(task)
-    return Profile(
+    prof = Profile(
         name=device_name(dev),
         read_gbps=read_gbps,
         read_latency_ms=latency,
@@ -198,11 +235,19 @@ def run(
         kv_ms_fixed=kv_fixed,
         re_points=re_points,
         per_dir_gbps=per_dir,
-        # on a GPU the readers' CPU does not slow compute, and the model has fewer shared parts
-        read_cpu_ms_per_mb=io.cpu_ms_per_mb if dev.type == "cpu" else 0.0,
+        read_cpu_ms_per_mb=io.cpu_ms_per_mb,
         mix_margin=CPU_MIX_MARGIN if dev.type == "cpu" else 0.0,
         meta={"dtype": str(dt), "dirs": [str(d) for d in dirs], "io_tokens": io_tokens, "time": time.time()},
     )
+    if reads_vs_compute:
+        with Progress(disable=not show, transient=True) as bar:
+            bar.add_task("reads against compute", total=None)
+            # at a measured recompute length: the restores' excess is over the prefix's own time
+            lost = _reads_cost_to_compute(model, dirs, prof, min(io_tokens, max(re_points)))
+        setup, per_gb = affine(lost) if len(lost) > 1 else (max(0.0, *lost.values()), 0.0)  # slope per 1000 MB
+        prof.read_setup_ms, prof.read_cpu_ms_per_mb = setup, per_gb / 1000
+        prof.meta["reads_vs_compute"] = {f"{mb:.1f}": ms for mb, ms in lost.items()}
+    return prof
 
 
 def load_or_run(model: DecoderModel, dirs: list[Path], cache_dir: Path, reprofile: bool = False) -> Profile:
