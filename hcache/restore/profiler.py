@@ -144,7 +144,7 @@ def _reads_cost_to_compute(model: DecoderModel, dirs: list[Path], prof: Profile,
     and half the layers: the compute thread's busy time over what the prefix and the placement
     take alone. On a GPU that thread is bound by kernel launches, and planning the reads and the
     readers' Python (checksums, placement, the GIL) take from it (measured on an H100: a 7-layer
-    prefix ran 3-6x slower while KV was read)."""
+    prefix ran up to 5x slower while the other layers' KV was read)."""
     cfg, L = model.cfg, model.cfg.num_layers
     scratch = [d / SCRATCH for d in dirs]
     for d in scratch:

@@ -325,9 +325,10 @@ class ChunkStore:
             flat = free.pop() if free else None
             if flat is not None:
                 self._pooled_bytes -= flat.nbytes
+            else:
+                self.stats.read_buffers_allocated += 1
         if flat is None:  # pinned on CUDA: the restorer's host-to-device copies then run async
             flat = torch.empty(size, dtype=self.dtype, pin_memory=self.pinned)
-            self.stats.read_buffers_allocated += 1
         return flat[:n].view(shape)
 
     def give_buffer(self, t: torch.Tensor) -> None:
