@@ -72,6 +72,28 @@ def test_chat_client_reports_unreachable_server():
     assert out.returncode == 2 and "hcache: error:" in out.stderr and "Traceback" not in out.stderr
 
 
+WAIT_FOR_SIGNAL = """
+import signal, sys, threading, time
+from hcache.server.app import wait_until_set
+done = threading.Event()
+signal.signal(signal.SIGUSR1, lambda *_: done.set())
+def elsewhere():  # the signal lands on this thread, not the main one
+    time.sleep(0.3)
+    signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)
+    time.sleep(30)
+threading.Thread(target=elsewhere, daemon=True).start()
+wait_until_set(done)
+print("stopped")
+"""
+
+
+def test_a_signal_delivered_to_another_thread_stops_the_wait():
+    """The kernel may deliver SIGTERM to any thread; the main thread's wait must still see it
+    (a plain Event.wait() never returned: test_sigterm_drains failed once that way)."""
+    out = subprocess.run([sys.executable, "-c", WAIT_FOR_SIGNAL], capture_output=True, text=True, timeout=20)
+    assert out.returncode == 0 and out.stdout.strip() == "stopped", out.stderr
+
+
 def test_sigterm_drains(served):
     proc, target = served
     with Client(target) as c:

@@ -135,6 +135,15 @@ def start(cfg: Config, profile: Profile | None = None, loaded: LoadedModel | Non
     return Running(server, engine, store, hs, port, cfg, threading.Event(), side, metrics)
 
 
+def wait_until_set(done: threading.Event, poll_s: float = 0.2) -> None:
+    """Block the main thread until a signal handler sets `done`. The kernel may deliver a
+    process-directed SIGTERM to any thread (gRPC's, torch's, the engine's); CPython then runs
+    the Python handler only when the main thread next runs bytecode, which a wait without a
+    timeout never does: the server would ignore the signal."""
+    while not done.wait(poll_s):
+        pass
+
+
 def serve(cfg: Config, profile: Profile | None = None) -> int:
     run = start(cfg, profile)
     done = threading.Event()
@@ -148,7 +157,7 @@ def serve(cfg: Config, profile: Profile | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     http = f", dashboard http://{cfg.server.host}:{run.http_port}/dashboard" if run.http_port else ""
     print(f"hcache: serving {run.engine.model_name} on {cfg.server.host}:{run.port}{http}", flush=True)
-    done.wait()
+    wait_until_set(done)
     run.stop()
     print("hcache: stopped", flush=True)
     return 0
