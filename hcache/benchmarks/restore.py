@@ -216,8 +216,9 @@ def run(
                             label = f"split {plan}" if isinstance(plan, int) else str(plan)
                             state = "prefill" if real else "synthetic"
                             tps = n / ms * 1e3 if ms else None
-                            r = Row(name, n, nd, cap, method, label, ms, pred, tps, nbytes[method], wait, state)
-                            r.compute_ms = statistics.median(busy[method]) if method in busy else None
+                            busy_ms = statistics.median(busy[method]) if method in busy else None
+                            r = Row(name, n, nd, cap, method, label, ms, pred, tps, nbytes[method], wait, state,
+                                    compute_ms=busy_ms)  # fmt: skip
                             group.append(r)
                             log(
                                 f"  {n:>6} tok {nd} dirs cap {cap or '-':>4} {method:>9}: {_fmt(ms)} ms "

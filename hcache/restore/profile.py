@@ -121,10 +121,11 @@ def _fit_re(pts: tuple[tuple[int, float], ...]) -> tuple[float, float, float]:
     for basis in _RE_BASES:
         if len(basis) > len(pts):
             continue
-        coef, *_ = np.linalg.lstsq(np.stack([cols[v] for v in basis], 1), y, rcond=None)
+        a = np.stack([cols[v] for v in basis], 1)
+        coef, *_ = np.linalg.lstsq(a, y, rcond=None)
         if (coef < 0).any():
             continue
-        sse = float(((np.stack([cols[v] for v in basis], 1) @ coef - y) ** 2).sum())
+        sse = float(((a @ coef - y) ** 2).sum())
         if best is None or sse < best[0] - 1e-12 * max(1.0, float((y**2).sum())):
             best = (sse, dict(zip(basis, coef.tolist(), strict=True)))
     assert best is not None  # ("a",) always fits: the points are positive

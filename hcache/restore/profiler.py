@@ -5,12 +5,13 @@ cached as JSON per model fingerprint, dtype and device, and reused until re-prof
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import resource
 import shutil
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,70 +74,75 @@ class IOResult:
     kv_points: dict[int, float] = field(default_factory=dict)
 
 
-def _io(model: DecoderModel, dirs: list[Path], tokens: int, compute: tuple[int, ...] = ()) -> IOResult:
-    """Restore-shaped reads of a scratch owner over `dirs` (half the layers H, half KV); for
-    each length in `compute`, the per-layer work of real H-only and KV-only restores. Those
-    run on data fresh from storage, as restores do (a re-run on one cache-hot tensor is far
-    faster on a CPU), and the CPU their reads took is taken out: the plan charges it apart."""
+@contextlib.contextmanager
+def _scratch_store(model: DecoderModel, dirs: list[Path]) -> Iterator[ChunkStore]:
+    """A store in fresh scratch folders under `dirs`, removed afterwards whatever happens."""
     scratch = [d / SCRATCH for d in dirs]
     for d in scratch:
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
     try:
-        cfg = model.cfg
-        with ChunkStore(StorageConfig([str(d) for d in scratch]), cfg, model.dtype, str(model.device)) as st:
-            both = [{Kind.HIDDEN, Kind.KV}] * cfg.num_layers
-            st.create_owner("profile", both, model.fingerprint())
-            h = torch.randn(tokens, cfg.hidden_size).to(model.dtype)
-            kv = torch.randn(tokens, 2, cfg.kv_dim).to(model.dtype)
-            st.save_rows(
-                "profile", 0, dict.fromkeys(range(cfg.num_layers), h), dict.fromkeys(range(cfg.num_layers), kv)
-            )
-            st.mark_durable("profile", [0] * tokens)
-            half = [Want(i, Kind.KV if i % 2 else Kind.HIDDEN, 0, tokens) for i in range(cfg.num_layers)]
-
-            def read_all() -> int:
-                r = st.reader("profile", wants=half)
-                for w in half:
-                    r.get(w.layer, w.kind)
-                    r.release(w.layer)
-                return r.bytes_read
-
-            nbytes = read_all()
-            secs = _median_ms(read_all) / 1e3
-            cpu = []
-            for _ in range(3):  # every thread's CPU (the consumer here only waits)
-                before = resource.getrusage(resource.RUSAGE_SELF)
-                read_all()
-                after = resource.getrusage(resource.RUSAGE_SELF)
-                used = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
-                cpu.append(used * 1e3 / (nbytes / 1e6))
-            latency = _median_ms(lambda: st.read_chunk("profile", 0, 0, Kind.HIDDEN))
-            res = IOResult(nbytes / secs / 1e9, latency, statistics.median(cpu))
-            elem = torch.finfo(model.dtype).bits // 8
-            for n in compute:
-                owner = "profile" if n == tokens else f"profile-{n}"  # the read owner serves its own length
-                if n != tokens:
-                    st.create_owner(owner, both, model.fingerprint())
-                    layers = range(cfg.num_layers)
-                    st.save_rows(owner, 0, dict.fromkeys(layers, h[:n]), dict.fromkeys(layers, kv[:n]))
-                    st.mark_durable(owner, [0] * n)
-                for m, width, points in (
-                    (Method.HIDDEN, cfg.hidden_size, res.h_points),
-                    (Method.KV, 2 * cfg.kv_dim, res.kv_points),
-                ):
-                    runs = []
-                    for i in range(4):  # the first warms buffers
-                        src = StoreSource(st, owner, model.fingerprint())
-                        _, rep = restore(model, Plan.uniform(cfg.num_layers, m), src)
-                        if i:
-                            runs.append(rep.ms_by_method[m.value] / cfg.num_layers)
-                    ms = statistics.median(runs)
-                    points[n] = max(ms - res.cpu_ms_per_mb * n * width * elem / 1e6, ms / 2)
-            return res
+        with ChunkStore(StorageConfig([str(d) for d in scratch]), model.cfg, model.dtype, str(model.device)) as st:
+            yield st
     finally:
         for d in scratch:
             shutil.rmtree(d, ignore_errors=True)
+
+
+def _io(model: DecoderModel, dirs: list[Path], tokens: int, compute: tuple[int, ...] = ()) -> IOResult:
+    """Restore-shaped reads of a scratch owner over `dirs` (half the layers H, half KV); for
+    each length in `compute`, the per-layer work of real H-only and KV-only restores. Those
+    run on data fresh from storage, as restores do (a re-run on one cache-hot tensor is far
+    faster on a CPU), and the CPU their reads took is taken out: the plan charges it apart."""
+    cfg = model.cfg
+    with _scratch_store(model, dirs) as st:
+        both = [{Kind.HIDDEN, Kind.KV}] * cfg.num_layers
+        st.create_owner("profile", both, model.fingerprint())
+        h = torch.randn(tokens, cfg.hidden_size).to(model.dtype)
+        kv = torch.randn(tokens, 2, cfg.kv_dim).to(model.dtype)
+        st.save_rows("profile", 0, dict.fromkeys(range(cfg.num_layers), h), dict.fromkeys(range(cfg.num_layers), kv))
+        st.mark_durable("profile", [0] * tokens)
+        half = [Want(i, Kind.KV if i % 2 else Kind.HIDDEN, 0, tokens) for i in range(cfg.num_layers)]
+
+        def read_all() -> int:
+            r = st.reader("profile", wants=half)
+            for w in half:
+                r.get(w.layer, w.kind)
+                r.release(w.layer)
+            return r.bytes_read
+
+        nbytes = read_all()
+        secs = _median_ms(read_all) / 1e3
+        cpu = []
+        for _ in range(3):  # every thread's CPU (the consumer here only waits)
+            before = resource.getrusage(resource.RUSAGE_SELF)
+            read_all()
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            used = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+            cpu.append(used * 1e3 / (nbytes / 1e6))
+        latency = _median_ms(lambda: st.read_chunk("profile", 0, 0, Kind.HIDDEN))
+        res = IOResult(nbytes / secs / 1e9, latency, statistics.median(cpu))
+        elem = torch.finfo(model.dtype).bits // 8
+        for n in compute:
+            owner = "profile" if n == tokens else f"profile-{n}"  # the read owner serves its own length
+            if n != tokens:
+                st.create_owner(owner, both, model.fingerprint())
+                layers = range(cfg.num_layers)
+                st.save_rows(owner, 0, dict.fromkeys(layers, h[:n]), dict.fromkeys(layers, kv[:n]))
+                st.mark_durable(owner, [0] * n)
+            for m, width, points in (
+                (Method.HIDDEN, cfg.hidden_size, res.h_points),
+                (Method.KV, 2 * cfg.kv_dim, res.kv_points),
+            ):
+                runs = []
+                for i in range(4):  # the first warms buffers
+                    src = StoreSource(st, owner, model.fingerprint())
+                    _, rep = restore(model, Plan.uniform(cfg.num_layers, m), src)
+                    if i:
+                        runs.append(rep.ms_by_method[m.value] / cfg.num_layers)
+                ms = statistics.median(runs)
+                points[n] = max(ms - res.cpu_ms_per_mb * n * width * elem / 1e6, ms / 2)
+        return res
 
 
 def _reads_cost_to_compute(model: DecoderModel, dirs: list[Path], prof: Profile, tokens: int) -> dict[float, float]:
@@ -146,28 +152,20 @@ def _reads_cost_to_compute(model: DecoderModel, dirs: list[Path], prof: Profile,
     readers' Python (checksums, placement, the GIL) take from it (measured on an H100: a 7-layer
     prefix ran up to 5x slower while the other layers' KV was read)."""
     cfg, L = model.cfg, model.cfg.num_layers
-    scratch = [d / SCRATCH for d in dirs]
-    for d in scratch:
-        shutil.rmtree(d, ignore_errors=True)
-        d.mkdir(parents=True)
     points: dict[float, float] = {}
-    try:
-        with ChunkStore(StorageConfig([str(d) for d in scratch]), cfg, model.dtype, str(model.device)) as st:
-            st.create_owner("mix", [{Kind.KV}] * L, model.fingerprint())
-            kv = torch.randn(tokens, 2, cfg.kv_dim).to(model.dtype)
-            st.save_rows("mix", 0, {}, dict.fromkeys(range(L), kv))
-            st.mark_durable("mix", [0] * tokens)
-            for n_kv in sorted({1, min(L, max(2, L // 2))}):
-                alone = (L - n_kv) * prof.re_ms(tokens) + n_kv * prof.kv_ms(tokens)
-                runs = []
-                for i in range(4):  # the first warms buffers
-                    _, rep = restore(model, Plan.split(L, L - n_kv, 0), StoreSource(st, "mix", model.fingerprint()))
-                    if i:
-                        runs.append(sum(rep.ms_by_method.values()) - alone)
-                points[n_kv * kv.nbytes / 1e6] = statistics.median(runs)
-    finally:
-        for d in scratch:
-            shutil.rmtree(d, ignore_errors=True)
+    with _scratch_store(model, dirs) as st:
+        st.create_owner("mix", [{Kind.KV}] * L, model.fingerprint())
+        kv = torch.randn(tokens, 2, cfg.kv_dim).to(model.dtype)
+        st.save_rows("mix", 0, {}, dict.fromkeys(range(L), kv))
+        st.mark_durable("mix", [0] * tokens)
+        for n_kv in sorted({1, min(L, max(2, L // 2))}):
+            alone = (L - n_kv) * prof.re_ms(tokens) + n_kv * prof.kv_ms(tokens)
+            runs = []
+            for i in range(4):  # the first warms buffers
+                _, rep = restore(model, Plan.split(L, L - n_kv, 0), StoreSource(st, "mix", model.fingerprint()))
+                if i:
+                    runs.append(sum(rep.ms_by_method.values()) - alone)
+            points[n_kv * kv.nbytes / 1e6] = statistics.median(runs)
     return points
 
 
