@@ -107,3 +107,15 @@ def checksum(data: memoryview | bytes) -> int:
     """xxh3-64 of a chunk's bytes (about 5x faster than crc32 here), as SQLite's signed 64-bit integer."""
     v = xxhash.xxh3_64_intdigest(data)
     return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def checksum_parts(parts: list[memoryview]) -> int:
+    """`checksum` of the parts' concatenation, for a chunk read in place in pieces (a KV
+    chunk's K and V rows land in separate halves of the layer's buffer)."""
+    if len(parts) == 1:
+        return checksum(parts[0])
+    h = xxhash.xxh3_64()
+    for p in parts:
+        h.update(p)
+    v = h.intdigest()
+    return v - (1 << 64) if v >= 1 << 63 else v

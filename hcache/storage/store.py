@@ -84,6 +84,7 @@ class StoreStats:
     bytes_read: int = 0
     read_bytes_by_dir: list[int] = field(default_factory=list)
     read_buffers_allocated: int = 0  # fresh layer buffers (pinned on CUDA: slow to allocate)
+    chunks_read_in_place: int = 0  # read straight into a layer buffer (the rest are copied from a bounce buffer)
 
 
 class ChunkStore:
@@ -328,7 +329,11 @@ class ChunkStore:
             else:
                 self.stats.read_buffers_allocated += 1
         if flat is None:  # pinned on CUDA: the restorer's host-to-device copies then run async
-            flat = torch.empty(size, dtype=self.dtype, pin_memory=self.pinned)
+            flat = (
+                torch.empty(size, dtype=self.dtype, pin_memory=True)
+                if self.pinned  # page-aligned too (cudaHostAlloc); the reader checks before reading in place
+                else torch.frombuffer(aligned_buffer(size * self.dtype.itemsize), dtype=self.dtype, count=size)
+            )
         return flat[:n].view(shape)
 
     def give_buffer(self, t: torch.Tensor) -> None:
@@ -438,10 +443,11 @@ class ChunkStore:
         """Cap restore reads at `mbps` MB/s (0 lifts the cap)."""
         self.throttle.set_rate(mbps * 1e6)
 
-    def count_read(self, nbytes: int, d: int) -> None:
+    def count_read(self, nbytes: int, d: int, in_place: int = 0) -> None:
         with self.lock:
             self.stats.bytes_read += nbytes
             self.stats.read_bytes_by_dir[d] += nbytes
+            self.stats.chunks_read_in_place += in_place
 
     def count_checksum_failure(self) -> None:
         with self.lock:
