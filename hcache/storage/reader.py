@@ -187,22 +187,40 @@ class OwnerReader:
                 q.not_before = self.store.throttle.reserve(q.count * self._slot_bytes[q.slab])
                 self.store.submit_read(q.dir, self._run, q)
 
-    def _run(self, q: Request, buf: memoryview) -> None:
+    def _run(self, q: Request) -> None:
         shape = self.store.shapes[Kind(q.chunks[0].kind)]
+        pool = self.store.reads
+        buf = None
         try:
             slab = self.store.slab(q.dir, q.slab)
             sb = slab.slot_bytes
-            spans, parts = self._scatter_plan(q, shape, sb, buf)
-            n = slab.scatter(q.first, spans)
+            spans, parts = self._scatter_plan(q, shape, sb)
+            if any(base is None for base, _, _ in spans):
+                buf = pool.take()
+            bounce = memoryview(buf) if buf is not None else None
+            n = slab.scatter(q.first, [(bounce if base is None else base)[o : o + k] for base, o, k in spans])
+            self._check(q, shape, sb, parts, bounce, n)
         except Exception as e:  # any failure is this request's chunks' failure, never a hang
             for r in q.chunks:
                 self._fail(r, f"read error: {e}")
-            return
-        in_place = sum(p is not None for p in parts)
+        finally:
+            if buf is not None:
+                pool.give(buf)
+
+    def _check(
+        self,
+        q: Request,
+        shape: ChunkShape,
+        sb: int,
+        parts: list[list[memoryview] | None],
+        bounce: memoryview | None,
+        n: int,
+    ) -> None:
+        """Verify every chunk of a finished read; those read in place are done, the rest are
+        copied out of the bounce buffer."""
         with self._lock:
             self.bytes_read += n
-        self.store.count_read(n, q.dir, in_place)
-        bounce = memoryview(buf)[:n]
+        self.store.count_read(n, q.dir, sum(p is not None for p in parts))
         landed: dict[LayerSlot, int] = {}  # chunks verified in place, per layer
         good: list[ChunkRow] = []
         for r, p in zip(q.chunks, parts, strict=True):
@@ -221,9 +239,9 @@ class OwnerReader:
             self._done(slot, k)
         if not good:
             return
-        # the rest came through `buf`: chunks of one layer in consecutive slots, with evenly spaced
-        # indices (chunk c of a layer lives in directory (layer + c) mod N), take one strided copy
-        whole = torch.frombuffer(bounce, dtype=torch.uint8)
+        # chunks of one layer in consecutive slots, with evenly spaced indices (chunk c of a
+        # layer lives in directory (layer + c) mod N), take one strided copy
+        whole = torch.frombuffer(bounce[:n], dtype=torch.uint8)
         run: list[ChunkRow] = []
         for r in [*good, None]:
             if run and (r is None or not _extends(run, r) or self._is_tail(r)):
@@ -232,39 +250,45 @@ class OwnerReader:
             if r is not None:
                 run.append(r)
 
-    def _scatter_plan(
-        self, q: Request, shape: ChunkShape, sb: int, buf: memoryview
-    ) -> tuple[list[memoryview], list[list[memoryview] | None]]:
-        """The request's slots as read targets, in file order. A full chunk lands in place in
-        its layer's buffer (no copy after the read: on 2 cores placement copies were ~40% of
-        the readers' CPU); tails, unwanted slots between wanted ones and slot padding go to
-        `buf` at their slot's offset. Returns the targets (adjacent ones merged) and, per
-        chunk of `q.chunks`, its bytes in place for the checksum (None: in `buf`)."""
+    def _scatter_plan(self, q: Request, shape: ChunkShape, sb: int) -> tuple[list[list], list[list[memoryview] | None]]:
+        """The request's slots as read targets `[base, offset, length]`, in file order. A full
+        chunk lands in place in its layer's buffer (no copy after the read: on 2 cores
+        placement copies were ~40% of the readers' CPU); unwanted slots between wanted ones and
+        slot padding go to a shared discard area; tails (and chunks that cannot land in place)
+        go to the bounce buffer (base None) at their slot's offset. Returns the targets
+        (adjacent ones merged) and, per chunk of `q.chunks`, its bytes in place for the
+        checksum (None: in the bounce buffer)."""
         piece = CHUNK_TOKENS * shape.width * shape.dtype.itemsize  # a chunk's rows of K, V or H
         step = piece // CHUNK_TOKENS  # bytes per row
         kv = shape.kind == Kind.KV
         pad = sb - shape.nbytes
-        bounce = memoryview(buf)
-        spans: list[list] = []  # [base, offset, length], adjacent ones merged
+        discard = self.store.reads.discard
+        spans: list[list] = []
         parts: list[list[memoryview] | None] = []
         mems: dict[LayerSlot, memoryview | None] = {}
         nxt = q.first  # the next slot not yet targeted
 
-        def add(base: memoryview, off: int, n: int) -> None:
+        def add(base: memoryview | None, off: int, n: int) -> None:
             last = spans[-1] if spans else None
             if last is not None and last[0] is base and last[1] + last[2] == off:
                 last[2] += n
             else:
                 spans.append([base, off, n])
 
+        def skip(n: int) -> None:  # bytes nobody reads: any number of them share the discard area
+            while n > 0:
+                k = min(n, len(discard))
+                spans.append([discard, 0, k])
+                n -= k
+
         for r in q.chunks:  # in slot order
-            if r.slot > nxt:  # unwanted slots between wanted ones
-                add(bounce, (nxt - q.first) * sb, (r.slot - nxt) * sb)
+            if r.slot > nxt:
+                skip((r.slot - nxt) * sb)
             nxt = r.slot + 1
             slot = self._slot_of[(r.layer, r.kind)]
             mem = mems[slot] if slot in mems else mems.setdefault(slot, self._in_place(slot, piece))
             if mem is None or (r.idx + 1) * CHUNK_TOKENS > slot.want.hi:  # a tail: its valid rows only
-                add(bounce, (r.slot - q.first) * sb, sb)
+                add(None, (r.slot - q.first) * sb, sb)
                 parts.append(None)
                 continue
             o = (r.idx * CHUNK_TOKENS - slot.want.lo) * step
@@ -276,10 +300,8 @@ class OwnerReader:
             else:
                 parts.append([mem[o : o + piece]])
             if pad:
-                add(bounce, (r.slot - q.first) * sb + shape.nbytes, pad)
-        if nxt < q.first + q.count:
-            add(bounce, (nxt - q.first) * sb, (q.first + q.count - nxt) * sb)
-        return [base[o : o + n] for base, o, n in spans], parts
+                skip(pad)
+        return spans, parts
 
     def _in_place(self, slot: LayerSlot, piece: int) -> memoryview | None:
         """The bytes of the slot's layer buffer, if O_DIRECT can read chunks straight into it."""
@@ -400,13 +422,18 @@ def one_core_copies() -> None:
 
 
 class ReadPool:
-    """Per-directory reader threads sharing a pool of aligned request buffers."""
+    """Per-directory reader threads. Reads land in place in layer buffers; the pool's
+    aligned bounce buffers (bounded: bytes in flight stay bounded however many directories)
+    serve only requests holding tails, or chunks that cannot land in place, so they do not
+    cap how many requests are in flight. Bytes nobody reads (unwanted slots inside a
+    request, slot padding) all go to one shared discard area."""
 
-    def __init__(self, n_dirs: int, depth: int, buf_bytes: int, make_buffer):  # noqa: ANN001
+    def __init__(self, n_dirs: int, depth: int, buf_bytes: int, make_buffer, discard_bytes: int):  # noqa: ANN001
         self.queues = [queue.Queue() for _ in range(n_dirs)]
         self.buffers: queue.Queue = queue.Queue()
-        for _ in range(depth + n_dirs):  # bytes in flight stay bounded however many directories
-            self.buffers.put(make_buffer(buf_bytes))
+        self._make, self._buf_bytes, self._made, self._max = make_buffer, buf_bytes, 0, depth + n_dirs
+        self._lock = threading.Lock()
+        self.discard = memoryview(make_buffer(discard_bytes))
         self.threads = [
             threading.Thread(target=self._loop, args=(q,), name=f"hcache-reader-{d}", daemon=True)
             for d, q in enumerate(self.queues)
@@ -418,18 +445,24 @@ class ReadPool:
     def submit(self, d: int, fn, req: Request) -> None:  # noqa: ANN001
         self.queues[d].put((fn, req))
 
+    def take(self):  # noqa: ANN201 - whatever make_buffer makes
+        """A bounce buffer: made on first need, then reused; waits while all are in use."""
+        with self._lock:
+            if self.buffers.empty() and self._made < self._max:
+                self._made += 1
+                return self._make(self._buf_bytes)
+        return self.buffers.get()
+
+    def give(self, buf) -> None:  # noqa: ANN001
+        self.buffers.put(buf)
+
     def _loop(self, q: queue.Queue) -> None:
         one_core_copies()
         while (item := q.get()) is not None:
             fn, req = item
-            # wait for a capped request's turn before taking a buffer: a sleeping request must
-            # not hold one that an earlier-booked request (another directory's) needs now
+            # a capped request waits for its turn here, holding no buffer
             wait_until(req.not_before)
-            buf = self.buffers.get()
-            try:
-                fn(req, buf)
-            finally:
-                self.buffers.put(buf)
+            fn(req)
 
     def close(self) -> None:
         for q in self.queues:

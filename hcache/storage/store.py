@@ -130,7 +130,9 @@ class ChunkStore:
         self.ring = StagingRing(cfg.staging_bytes, model.hidden_size, model.kv_dim, dtype, torch.device(device))
         self.packer = Packer(self)
         self.writers = [DirWriter(self, i, cfg.fsync_group_bytes) for i in range(len(self.dirs))]
-        self.reads = ReadPool(len(self.dirs), cfg.read_depth, cfg.max_request_bytes, aligned_buffer)
+        # unwanted slots inside a request are at most two in a row (plan_requests' max_gap)
+        discard = 2 * max(sh.slot_bytes for sh in self.shapes.values())
+        self.reads = ReadPool(len(self.dirs), cfg.read_depth, cfg.max_request_bytes, aligned_buffer, discard)
         for t in (self.packer, *self.writers):
             t.start()
         self._closed = False
