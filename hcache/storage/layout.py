@@ -105,8 +105,7 @@ def num_chunks(n_tokens: int) -> int:
 
 def checksum(data: memoryview | bytes) -> int:
     """xxh3-64 of a chunk's bytes (about 5x faster than crc32 here), as SQLite's signed 64-bit integer."""
-    v = xxhash.xxh3_64_intdigest(data)
-    return v - (1 << 64) if v >= 1 << 63 else v
+    return _signed(xxhash.xxh3_64_intdigest(data))
 
 
 def checksum_parts(parts: list[memoryview]) -> int:
@@ -117,5 +116,8 @@ def checksum_parts(parts: list[memoryview]) -> int:
     h = xxhash.xxh3_64()
     for p in parts:
         h.update(p)
-    v = h.intdigest()
+    return _signed(h.intdigest())
+
+
+def _signed(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v

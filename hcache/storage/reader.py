@@ -286,8 +286,10 @@ class OwnerReader:
                 skip((r.slot - nxt) * sb)
             nxt = r.slot + 1
             slot = self._slot_of[(r.layer, r.kind)]
-            mem = mems[slot] if slot in mems else mems.setdefault(slot, self._in_place(slot, piece))
-            if mem is None or (r.idx + 1) * CHUNK_TOKENS > slot.want.hi:  # a tail: its valid rows only
+            if slot not in mems:
+                mems[slot] = self._in_place(slot, piece)
+            mem = mems[slot]
+            if mem is None or self._is_tail(r):  # a tail: its valid rows only
                 add(None, (r.slot - q.first) * sb, sb)
                 parts.append(None)
                 continue
@@ -328,7 +330,7 @@ class OwnerReader:
             slot.out = self.store.take_buffer((2, slot.rows, width))[:, :n]
 
     def _is_tail(self, r: ChunkRow) -> bool:
-        return (r.idx + 1) * CHUNK_TOKENS > self.slots[(r.layer, Kind(r.kind))].want.hi
+        return (r.idx + 1) * CHUNK_TOKENS > self._slot_of[(r.layer, r.kind)].want.hi
 
     def _place_run(self, q: Request, slot_bytes: int, whole: torch.Tensor, run: list[ChunkRow], shape) -> None:  # noqa: ANN001
         first, k = run[0], len(run)
