@@ -105,14 +105,14 @@ def num_chunks(n_tokens: int) -> int:
 
 def checksum(data: memoryview | bytes) -> int:
     """xxh3-64 of a chunk's bytes (about 5x faster than crc32 here), as SQLite's signed 64-bit integer."""
-    return _signed(xxhash.xxh3_64_intdigest(data))
+    return checksum_parts([data])
 
 
-def checksum_parts(parts: list[memoryview]) -> int:
+def checksum_parts(parts: list[memoryview | bytes]) -> int:
     """`checksum` of the parts' concatenation, for a chunk read in place in pieces (a KV
-    chunk's K and V rows land in separate halves of the layer's buffer)."""
-    if len(parts) == 1:
-        return checksum(parts[0])
+    chunk's K and V rows land in separate halves of the layer's buffer). Always the
+    streaming hasher: it lets go of the GIL for pieces over 64 KB (the one-shot function
+    does not), so reader threads keep submitting while a hidden-state chunk is hashed."""
     h = xxhash.xxh3_64()
     for p in parts:
         h.update(p)

@@ -74,31 +74,46 @@ def plan_requests(
     request is at most `first_bytes` and each next one may be twice the last, up to
     `max_bytes`: the first layers arrive soon, and the bulk comes in requests large enough
     for the device's full bandwidth (small O_DIRECT requests get a fraction of it)."""
-    by_slab: dict[tuple[int, str], list[ChunkRow]] = defaultdict(list)
-    for r in rows:
-        by_slab[(r.dir, r.slab)].append(r)
-    where: dict[int, int] = {}  # id(row) -> its position in its slab's slot order
-    for rs in by_slab.values():
-        rs.sort(key=lambda r: r.slot)
-        where.update((id(r), i) for i, r in enumerate(rs))
-    size = dict.fromkeys(by_slab, min(first_bytes or max_bytes, max_bytes))
-    taken: set[int] = set()
+    # plain lists indexed by row number: this runs before a restore's first read, and
+    # attribute lookups and sort keys on thousands of rows took milliseconds
+    layer = [r.layer for r in rows]
+    slot = [r.slot for r in rows]
+    slabs: dict[tuple[int, str], list[int]] = defaultdict(list)
+    for i, r in enumerate(rows):
+        slabs[(r.dir, r.slab)].append(i)
+    pos = [0] * len(rows)  # a row's position in its slab's slot order
+    home: list[list[int]] = [[]] * len(rows)
+    for members in slabs.values():
+        members.sort(key=slot.__getitem__)
+        for p, i in enumerate(members):
+            pos[i], home[i] = p, members
+    size = {id(m): min(first_bytes or max_bytes, max_bytes) for m in slabs.values()}
+    keys = {id(m): k for k, m in slabs.items()}
+    taken = bytearray(len(rows))
+    order = sorted(range(len(rows)), key=[(r.layer << 32) | r.idx for r in rows].__getitem__)
     out: list[Request] = []
-    for r in sorted(rows, key=lambda r: (r.layer, r.idx)):
-        if id(r) in taken:
+    for i in order:
+        if taken[i]:
             continue
-        key = (r.dir, r.slab)
-        rs, limit = by_slab[key], max(1, size[key] // slot_bytes[r.slab])
-        cur = [r]
-        for j in range(where[id(r)] + 1, len(rs)):  # indices, not a slice: most requests stop early
-            nxt = rs[j]
-            far = nxt.layer - r.layer >= ahead
-            if id(nxt) in taken or far or nxt.slot - cur[-1].slot > max_gap or nxt.slot - r.slot >= limit:
+        members = home[i]
+        d, slab = keys[id(members)]
+        first, last, stop = slot[i], slot[i], layer[i] + ahead
+        limit = max(1, size[id(members)] // slot_bytes[slab])
+        p = j = pos[i]
+        for j in range(p + 1, len(members)):  # most requests stop early: no slice
+            k = members[j]
+            s = slot[k]
+            if taken[k] or layer[k] >= stop or s - last > max_gap or s - first >= limit:
                 break
-            cur.append(nxt)
-        taken.update(id(c) for c in cur)
-        out.append(_request(key[0], key[1], cur))
-        size[key] = min(2 * size[key], max_bytes)
+            last = s
+        else:
+            j = len(members)
+        chosen = members[p:j]
+        for k in chosen:
+            taken[k] = 1
+        # the lowest (layer, idx) not yet taken starts it: no member has a lower layer
+        out.append(Request(d, slab, first, last - first + 1, [rows[k] for k in chosen], layer[i]))
+        size[id(members)] = min(2 * size[id(members)], max_bytes)
     return out
 
 
@@ -108,11 +123,6 @@ def _extends(run: list[ChunkRow], r: ChunkRow) -> bool:
     if r.layer != last.layer or r.kind != last.kind or r.slot != last.slot + 1 or r.idx <= last.idx:
         return False
     return len(run) == 1 or r.idx - last.idx == last.idx - run[-2].idx
-
-
-def _request(d: int, slab: str, rows: list[ChunkRow]) -> Request:
-    first = rows[0].slot
-    return Request(d, slab, first, rows[-1].slot - first + 1, list(rows), min(r.layer for r in rows))
 
 
 class OwnerReader:
@@ -188,24 +198,41 @@ class OwnerReader:
                 self.store.submit_read(q.dir, self._run, q)
 
     def _run(self, q: Request) -> None:
+        """On a reader thread: read the request's slots, then hand the checks to the verifier
+        so this thread's next read starts at once (a thread busy checksumming is one request
+        fewer in flight, and on 2 cores each waited for the GIL as well)."""
         shape = self.store.shapes[Kind(q.chunks[0].kind)]
         pool = self.store.reads
         buf = None
         try:
             slab = self.store.slab(q.dir, q.slab)
             sb = slab.slot_bytes
-            spans, parts = self._scatter_plan(q, shape, sb)
-            if any(base is None for base, _, _ in spans):
+            targets, parts = self._scatter_plan(q, shape, sb)
+            bounce = None
+            if None in parts:
                 buf = pool.take()
-            bounce = memoryview(buf) if buf is not None else None
-            n = slab.scatter(q.first, [(bounce if base is None else base)[o : o + k] for base, o, k in spans])
-            self._check(q, shape, sb, parts, bounce, n)
+                bounce = memoryview(buf)
+                targets = [bounce[t[0] : t[0] + t[1]] if isinstance(t, tuple) else t for t in targets]
+            n = slab.scatter(q.first, targets)
         except Exception as e:  # any failure is this request's chunks' failure, never a hang
+            if buf is not None:
+                pool.give(buf)
+            for r in q.chunks:
+                self._fail(r, f"read error: {e}")
+            return
+        pool.verify(self._verify, (q, shape, sb, parts, bounce, n, buf))
+
+    def _verify(
+        self, q: Request, shape: ChunkShape, sb: int, parts: list, bounce: memoryview | None, n: int, buf: object
+    ) -> None:
+        try:
+            self._check(q, shape, sb, parts, bounce, n)
+        except Exception as e:  # never a hang: the request's unfinished chunks fail
             for r in q.chunks:
                 self._fail(r, f"read error: {e}")
         finally:
             if buf is not None:
-                pool.give(buf)
+                self.store.reads.give(buf)
 
     def _check(
         self,
@@ -250,60 +277,82 @@ class OwnerReader:
             if r is not None:
                 run.append(r)
 
-    def _scatter_plan(self, q: Request, shape: ChunkShape, sb: int) -> tuple[list[list], list[list[memoryview] | None]]:
-        """The request's slots as read targets `[base, offset, length]`, in file order. A full
-        chunk lands in place in its layer's buffer (no copy after the read: on 2 cores
-        placement copies were ~40% of the readers' CPU); unwanted slots between wanted ones and
-        slot padding go to a shared discard area; tails (and chunks that cannot land in place)
-        go to the bounce buffer (base None) at their slot's offset. Returns the targets
-        (adjacent ones merged) and, per chunk of `q.chunks`, its bytes in place for the
-        checksum (None: in the bounce buffer)."""
+    def _scatter_plan(
+        self, q: Request, shape: ChunkShape, sb: int
+    ) -> tuple[list[memoryview | tuple[int, int]], list[list[memoryview] | None]]:
+        """The request's slots as read targets, in file order. A full chunk lands in place in
+        its layer's buffer (no copy after the read: on 2 cores placement copies were ~40% of
+        the readers' CPU); unwanted slots between wanted ones and slot padding go to a shared
+        discard area; tails (and chunks that cannot land in place) go to the bounce buffer,
+        as `(offset, length)` of their slot until one is taken. Returns the targets and, per
+        chunk of `q.chunks`, its bytes in place for the checksum (None: in the bounce buffer).
+        Built a run at a time (a layer's chunks in consecutive slots): this runs on the
+        reader thread between two reads, holding the GIL."""
         piece = CHUNK_TOKENS * shape.width * shape.dtype.itemsize  # a chunk's rows of K, V or H
         step = piece // CHUNK_TOKENS  # bytes per row
         kv = shape.kind == Kind.KV
         pad = sb - shape.nbytes
-        discard = self.store.reads.discard
-        spans: list[list] = []
+        targets: list[memoryview | tuple[int, int]] = []
         parts: list[list[memoryview] | None] = []
-        mems: dict[LayerSlot, memoryview | None] = {}
-        nxt = q.first  # the next slot not yet targeted
-
-        def add(base: memoryview | None, off: int, n: int) -> None:
-            last = spans[-1] if spans else None
-            if last is not None and last[0] is base and last[1] + last[2] == off:
-                last[2] += n
-            else:
-                spans.append([base, off, n])
-
-        def skip(n: int) -> None:  # bytes nobody reads: any number of them share the discard area
-            while n > 0:
-                k = min(n, len(discard))
-                spans.append([discard, 0, k])
-                n -= k
-
-        for r in q.chunks:  # in slot order
+        chunks, n = q.chunks, len(q.chunks)
+        nxt, i = q.first, 0  # the next slot not yet targeted; the run's first chunk
+        while i < n:
+            r = chunks[i]
             if r.slot > nxt:
-                skip((r.slot - nxt) * sb)
-            nxt = r.slot + 1
+                self._skip(targets, (r.slot - nxt) * sb)
             slot = self._slot_of[(r.layer, r.kind)]
-            if slot not in mems:
-                mems[slot] = self._in_place(slot, piece)
-            mem = mems[slot]
+            mem = self._in_place(slot, piece)
             if mem is None or self._is_tail(r):  # a tail: its valid rows only
-                add(None, (r.slot - q.first) * sb, sb)
+                targets.append(((r.slot - q.first) * sb, sb))
                 parts.append(None)
+                nxt, i = r.slot + 1, i + 1
                 continue
+            # the run: this layer's next chunks in the next slots, evenly spaced, none a tail
+            full = slot.want.hi // CHUNK_TOKENS
+            c = chunks[i + 1] if i + 1 < n else r
+            gap = c.idx - r.idx if c.layer == r.layer and c.kind == r.kind and c.idx > r.idx else 1
+            j = i + 1
+            while j < n:
+                c = chunks[j]
+                if c.slot != r.slot + j - i or c.layer != r.layer or c.kind != r.kind:
+                    break
+                if c.idx != r.idx + (j - i) * gap or c.idx >= full:
+                    break
+                j += 1
+            k = j - i
             o = (r.idx * CHUNK_TOKENS - slot.want.lo) * step
-            add(mem, o, piece)
-            if kv:  # K rows, then V rows a padded layer further on
+            stride = gap * piece
+            if kv:  # per chunk its K rows, then its V rows a padded layer further on
                 v = o + slot.rows * step
-                add(mem, v, piece)
-                parts.append([mem[o : o + piece], mem[v : v + piece]])
+                pieces = [mem[x : x + piece] for c in range(k) for x in (o + c * stride, v + c * stride)]
+                if pad:
+                    for c in range(k):
+                        targets.extend(pieces[2 * c : 2 * c + 2])
+                        self._skip(targets, pad)
+                else:
+                    targets.extend(pieces)
+                parts.extend([pieces[2 * c : 2 * c + 2] for c in range(k)])
             else:
-                parts.append([mem[o : o + piece]])
-            if pad:
-                skip(pad)
-        return spans, parts
+                pieces = [mem[x : x + piece] for x in range(o, o + k * stride, stride)]
+                if pad:
+                    for p in pieces:
+                        targets.append(p)
+                        self._skip(targets, pad)
+                elif gap == 1:  # one target for the whole run
+                    targets.append(mem[o : o + k * piece])
+                else:
+                    targets.extend(pieces)
+                parts.extend([[p] for p in pieces])
+            nxt, i = r.slot + k, j
+        return targets, parts
+
+    def _skip(self, targets: list, n: int) -> None:
+        """Bytes nobody reads: any number of them share the discard area."""
+        discard = self.store.reads.discard
+        while n > 0:
+            k = min(n, len(discard))
+            targets.append(discard[:k])
+            n -= k
 
     def _in_place(self, slot: LayerSlot, piece: int) -> memoryview | None:
         """The bytes of the slot's layer buffer, if O_DIRECT can read chunks straight into it."""
@@ -436,7 +485,8 @@ class ReadPool:
         self._make, self._buf_bytes, self._made, self._max = make_buffer, buf_bytes, 0, depth + n_dirs
         self._lock = threading.Lock()
         self.discard = memoryview(make_buffer(discard_bytes))
-        self.threads = [
+        self.checks: queue.Queue = queue.Queue()
+        self.threads = [threading.Thread(target=self._verifier, name="hcache-verify", daemon=True)] + [
             threading.Thread(target=self._loop, args=(q,), name=f"hcache-reader-{d}", daemon=True)
             for d, q in enumerate(self.queues)
             for _ in range(depth)
@@ -446,6 +496,9 @@ class ReadPool:
 
     def submit(self, d: int, fn, req: Request) -> None:  # noqa: ANN001
         self.queues[d].put((fn, req))
+
+    def verify(self, fn, args: tuple) -> None:  # noqa: ANN001
+        self.checks.put((fn, args))
 
     def take(self):  # noqa: ANN201 - whatever make_buffer makes
         """A bounce buffer: made on first need, then reused; waits while all are in use."""
@@ -466,7 +519,15 @@ class ReadPool:
             wait_until(req.not_before)
             fn(req)
 
+    def _verifier(self) -> None:
+        """One thread checks every finished read (checksums, copies out of bounce buffers)."""
+        one_core_copies()
+        while (item := self.checks.get()) is not None:
+            fn, args = item
+            fn(*args)
+
     def close(self) -> None:
         for q in self.queues:
             for _ in range(len(self.threads)):
                 q.put(None)
+        self.checks.put(None)
