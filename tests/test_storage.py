@@ -399,6 +399,31 @@ def test_storage_threads_copy_on_one_core(dirs) -> None:
     assert torch.get_num_threads() == before
 
 
+def test_close_verifies_reads_in_flight_then_stops_every_thread(dirs) -> None:
+    """Reader threads only read and hand each finished request to one verifier thread. A
+    close with requests still queued stops the verifier only after the last reader has
+    handed over: every layer ends whole or failed (the slab files are closed), none waits
+    forever, and no storage thread outlives the store."""
+    st = open_store(dirs)
+    st.create_owner("o", KINDS, "fp")
+    save(st, "o", 0, 300, KINDS)
+    st.mark_durable("o", list(range(300)))
+    threads = list(st.reads.threads)
+    assert [t.name for t in threads].count("hcache-verify") == 1
+    r = st.reader("o", window=GEOM.num_layers)  # every request queued before the close
+    st.close()
+    for layer, kind in enumerate(KINDS):
+        if kind is not None:
+            assert r.wait(layer, kind, 10)
+            try:
+                assert torch.equal(r.get(layer), expected(layer, kind, 300))
+            except ChunkError as e:
+                assert "read error" in str(e)
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads)
+
+
 def test_reads_are_booked_in_layer_order_across_directories(dirs) -> None:
     """Under a read cap the bandwidth goes to the layers a restore needs first: requests are
     booked and submitted in layer order over all directories, not one directory at a time."""

@@ -491,6 +491,7 @@ class ReadPool:
             for d, q in enumerate(self.queues)
             for _ in range(depth)
         ]
+        self._readers = len(self.threads) - 1
         for t in self.threads:
             t.start()
 
@@ -518,6 +519,10 @@ class ReadPool:
             # a capped request waits for its turn here, holding no buffer
             wait_until(req.not_before)
             fn(req)
+        with self._lock:  # the last reader out stops the verifier, after every read it handed over
+            self._readers -= 1
+            if self._readers == 0:
+                self.checks.put(None)
 
     def _verifier(self) -> None:
         """One thread checks every finished read (checksums, copies out of bounce buffers)."""
@@ -530,4 +535,3 @@ class ReadPool:
         for q in self.queues:
             for _ in range(len(self.threads)):
                 q.put(None)
-        self.checks.put(None)
