@@ -324,14 +324,14 @@ class OwnerReader:
             stride = gap * piece
             if kv:  # per chunk its K rows, then its V rows a padded layer further on
                 v = o + slot.rows * step
-                pieces = [mem[x : x + piece] for c in range(k) for x in (o + c * stride, v + c * stride)]
+                pieces = [mem[x : x + piece] for m in range(k) for x in (o + m * stride, v + m * stride)]
                 if pad:
-                    for c in range(k):
-                        targets.extend(pieces[2 * c : 2 * c + 2])
+                    for m in range(k):
+                        targets.extend(pieces[2 * m : 2 * m + 2])
                         self._skip(targets, pad)
                 else:
                     targets.extend(pieces)
-                parts.extend([pieces[2 * c : 2 * c + 2] for c in range(k)])
+                parts.extend([pieces[2 * m : 2 * m + 2] for m in range(k)])
             else:
                 pieces = [mem[x : x + piece] for x in range(o, o + k * stride, stride)]
                 if pad:
