@@ -282,16 +282,16 @@ class OwnerReader:
     ) -> tuple[list[memoryview | tuple[int, int]], list[list[memoryview] | None]]:
         """The request's slots as read targets, in file order. A full chunk lands in place in
         its layer's buffer (no copy after the read: on 2 cores placement copies were ~40% of
-        the readers' CPU); unwanted slots between wanted ones and slot padding go to a shared
-        discard area; tails (and chunks that cannot land in place) go to the bounce buffer,
-        as `(offset, length)` of their slot until one is taken. Returns the targets and, per
-        chunk of `q.chunks`, its bytes in place for the checksum (None: in the bounce buffer).
-        Built a run at a time (a layer's chunks in consecutive slots): this runs on the
-        reader thread between two reads, holding the GIL."""
+        the readers' CPU); unwanted slots between wanted ones go to a shared discard area;
+        tails (and chunks that cannot land in place) go to the bounce buffer, as `(offset,
+        length)` of their slot until one is taken. Returns the targets and, per chunk of
+        `q.chunks`, its bytes in place for the checksum (None: in the bounce buffer). Built a
+        run at a time (a layer's chunks in consecutive slots): this runs on the reader thread
+        between two reads, holding the GIL."""
         piece = CHUNK_TOKENS * shape.width * shape.dtype.itemsize  # a chunk's rows of K, V or H
         step = piece // CHUNK_TOKENS  # bytes per row
         kv = shape.kind == Kind.KV
-        pad = sb - shape.nbytes
+        # chunks land in place only when their rows are whole pages, so their slots have no padding
         targets: list[memoryview | tuple[int, int]] = []
         parts: list[list[memoryview] | None] = []
         chunks, n = q.chunks, len(q.chunks)
@@ -325,23 +325,11 @@ class OwnerReader:
             if kv:  # per chunk its K rows, then its V rows a padded layer further on
                 v = o + slot.rows * step
                 pieces = [mem[x : x + piece] for m in range(k) for x in (o + m * stride, v + m * stride)]
-                if pad:
-                    for m in range(k):
-                        targets.extend(pieces[2 * m : 2 * m + 2])
-                        self._skip(targets, pad)
-                else:
-                    targets.extend(pieces)
+                targets.extend(pieces)
                 parts.extend([pieces[2 * m : 2 * m + 2] for m in range(k)])
             else:
                 pieces = [mem[x : x + piece] for x in range(o, o + k * stride, stride)]
-                if pad:
-                    for p in pieces:
-                        targets.append(p)
-                        self._skip(targets, pad)
-                elif gap == 1:  # one target for the whole run
-                    targets.append(mem[o : o + k * piece])
-                else:
-                    targets.extend(pieces)
+                targets.extend([mem[o : o + k * piece]] if gap == 1 else pieces)  # consecutive chunks: one target
                 parts.extend([[p] for p in pieces])
             nxt, i = r.slot + k, j
         return targets, parts
@@ -473,11 +461,12 @@ def one_core_copies() -> None:
 
 
 class ReadPool:
-    """Per-directory reader threads. Reads land in place in layer buffers; the pool's
-    aligned bounce buffers (bounded: bytes in flight stay bounded however many directories)
-    serve only requests holding tails, or chunks that cannot land in place, so they do not
-    cap how many requests are in flight. Bytes nobody reads (unwanted slots inside a
-    request, slot padding) all go to one shared discard area."""
+    """Per-directory reader threads and one verifier thread. Readers only read; each
+    finished request goes to the verifier, which checks and places it. Reads land in place
+    in layer buffers; the pool's aligned bounce buffers (bounded: bytes in flight stay
+    bounded however many directories) serve only requests holding tails, or chunks that
+    cannot land in place, so they do not cap how many requests are in flight. Unwanted
+    slots inside a request all go to one shared discard area."""
 
     def __init__(self, n_dirs: int, depth: int, buf_bytes: int, make_buffer, discard_bytes: int):  # noqa: ANN001
         self.queues = [queue.Queue() for _ in range(n_dirs)]
