@@ -295,6 +295,26 @@ def test_both_kinds_and_token_ranges(dirs) -> None:
             st.reader("s", wants=[Want(0, Kind.KV, 10, n)])
 
 
+def test_reader_names_the_first_chunk_it_cannot_read(dirs) -> None:
+    """A chunk holds fewer tokens than asked for, or is gone (a manifest that lags, say):
+    that part fails naming the chunk; other parts read as usual."""
+    from hcache.storage.reader import Want
+
+    with open_store(dirs) as st:
+        st.create_owner("s", KINDS, "fp")
+        save(st, "s", 0, 192, KINDS)
+        st.mark_durable("s", list(range(192)))
+        kv = st.index["s"][(2, Kind.KV.value)]
+        kv[1] = dataclasses.replace(kv[1], ntokens=36)
+        r = st.reader("s", wants=[Want(2, Kind.KV, 0, 192), Want(1, Kind.HIDDEN, 0, 192)])
+        with pytest.raises(ChunkError, match="layer 2 chunk 1: holds 36 < 64 tokens"):
+            r.get(2)
+        assert torch.equal(r.get(1), expected(1, Kind.HIDDEN, 192))
+        del st.index["s"][(3, Kind.HIDDEN.value)][0]
+        with pytest.raises(ChunkError, match="layer 3 chunk 0: missing"):
+            st.reader("s", wants=[Want(3, Kind.HIDDEN, 0, 192)]).get(3)
+
+
 def test_read_requests_follow_layer_order_and_grow():
     """Requests complete layers in order however their extents are spread through the slab;
     each covers consecutive wanted slots; a slab's first request is small, later ones double

@@ -6,6 +6,7 @@ Every chunk is checked against its checksum before its rows are used."""
 from __future__ import annotations
 
 import math
+import operator
 import queue
 import threading
 from collections import defaultdict
@@ -125,6 +126,18 @@ def _extends(run: list[ChunkRow], r: ChunkRow) -> bool:
     return len(run) == 1 or r.idx - last.idx == last.idx - run[-2].idx
 
 
+_NTOKENS = operator.attrgetter("ntokens")
+
+
+def _first_bad(owner: str, w: Want, have: dict[int, ChunkRow]) -> ChunkError:
+    """The error for the first of `w`'s chunks that is missing or holds too few tokens."""
+    for idx in range(w.lo // CHUNK_TOKENS, num_chunks(w.hi)):
+        r, need = have.get(idx), min(CHUNK_TOKENS, w.hi - idx * CHUNK_TOKENS)
+        if r is None or r.ntokens < need:
+            return ChunkError(owner, w.layer, idx, "missing" if r is None else f"holds {r.ntokens} < {need} tokens")
+    raise AssertionError("no bad chunk")
+
+
 class OwnerReader:
     """Fetches parts of one owner's stored layers; `get(layer, kind)` blocks until that part is whole."""
 
@@ -147,18 +160,22 @@ class OwnerReader:
                 w, (n, width) if w.kind == Kind.HIDDEN else (2, n, width), last - first
             )
             have = index.get((w.layer, w.kind.value), {})
-            for idx in range(first, last):
-                r = have.get(idx)
-                need = min(CHUNK_TOKENS, w.hi - idx * CHUNK_TOKENS)
-                if r is None or r.ntokens < need:
-                    why = "missing" if r is None else f"holds {r.ntokens} < {need} tokens"
-                    slot.error = ChunkError(owner, w.layer, idx, why)
-                    continue
-                rows.append(r)
+            wanted = range(first, last)
+            # C-level checks for the usual case (every chunk there, all full but the last):
+            # this runs before the restore's first read
+            got = list(map(have.__getitem__, wanted)) if set(wanted) <= have.keys() else None
+            if got and (
+                min(map(_NTOKENS, got[:-1]), default=CHUNK_TOKENS) < CHUNK_TOKENS
+                or got[-1].ntokens < w.hi - (last - 1) * CHUNK_TOKENS
+            ):
+                got = None
+            if got is not None:
+                rows.extend(got)
+            else:
+                slot.error = _first_bad(owner, w, have)
             if slot.error is not None or slot.remaining == 0:
                 slot.ready.set()
         self._slot_of = {(layer, k.value): slot for (layer, k), slot in self.slots.items()}
-        rows = [r for r in rows if self._slot_of[(r.layer, r.kind)].error is None]
         # bytes wanted per layer: the read-ahead covers at least `prefetch_bytes` past the
         # consumer, so small layers are not held back while it is busy (say, recomputing)
         self._layer_bytes: dict[int, int] = defaultdict(int)
