@@ -51,8 +51,8 @@ class Profile:
     """Costs of one layer's restore on one machine."""
 
     name: str
-    read_gbps: float  # aggregate restore-shaped read bandwidth over all storage directories
-    read_latency_ms: float  # fixed cost of one layer's reads (issue, first byte)
+    read_gbps: float  # restore-shaped read rate over all storage directories, past the fixed part
+    read_latency_ms: float  # a restore's fixed read cost (planning, first request, request ramp), paid once
     h_ms_per_ktok: float  # H -> K,V (norm, projection, RoPE, into the cache), per 1K tokens
     kv_ms_per_ktok: float  # placing stored K,V into the cache, per 1K tokens
     re_points: dict[int, float]  # context tokens -> ms for one layer's full forward

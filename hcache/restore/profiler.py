@@ -23,7 +23,7 @@ from hcache.model.base import DecoderModel
 from hcache.restore.plan import Method, Plan
 from hcache.restore.profile import Profile
 from hcache.restore.restorer import restore
-from hcache.storage.layout import Kind
+from hcache.storage.layout import CHUNK_TOKENS, Kind
 from hcache.storage.reader import Want
 from hcache.storage.source import StoreSource
 from hcache.storage.store import ChunkStore, StorageConfig
@@ -69,8 +69,8 @@ def _median_ms(fn: Callable[[], object], repeats: int = 5) -> float:
 
 @dataclass
 class IOResult:
-    read_gbps: float
-    latency_ms: float
+    read_gbps: float  # the rate past the fixed part
+    latency_ms: float  # a restore's fixed read cost, at least one chunk's latency
     cpu_ms_per_mb: float  # every thread's CPU per MB of restore-shaped reads
     h_points: dict[int, float] = field(default_factory=dict)  # tokens -> ms per layer, reads' CPU taken out
     kv_points: dict[int, float] = field(default_factory=dict)
@@ -106,15 +106,25 @@ def _io(model: DecoderModel, dirs: list[Path], tokens: int, compute: tuple[int, 
         st.mark_durable("profile", [0] * tokens)
         half = [Want(i, Kind.KV if i % 2 else Kind.HIDDEN, 0, tokens) for i in range(cfg.num_layers)]
 
-        def read_all() -> int:
-            r = st.reader("profile", wants=half)
-            for w in half:
+        def read_all(hi: int = tokens) -> int:
+            wants = [Want(w.layer, w.kind, 0, hi) for w in half]
+            r = st.reader("profile", wants=wants)
+            for w in wants:
                 r.get(w.layer, w.kind)
                 r.release(w.layer)
             return r.bytes_read
 
         nbytes = read_all()
         secs = _median_ms(read_all) / 1e3
+        # and a quarter as much: a restore's reads cost a fixed part (planning, the first
+        # request's latency, the ramp of request sizes) plus bytes over the rate; one length
+        # alone under-predicted 1K-token restores by 20-40% and over-predicted 16K ones
+        rate, fixed = nbytes / secs / 1e9, 0.0
+        short = tokens // 4 // CHUNK_TOKENS * CHUNK_TOKENS
+        if short:
+            short_bytes, short_ms = read_all(short), _median_ms(lambda: read_all(short))
+            fixed, ms_per_gb = affine({short_bytes / 1e6: short_ms, nbytes / 1e6: secs * 1e3})
+            rate = 1000 / ms_per_gb if ms_per_gb > 0 else rate
         cpu = []
         for _ in range(3):  # every thread's CPU (the consumer here only waits)
             before = resource.getrusage(resource.RUSAGE_SELF)
@@ -122,8 +132,8 @@ def _io(model: DecoderModel, dirs: list[Path], tokens: int, compute: tuple[int, 
             after = resource.getrusage(resource.RUSAGE_SELF)
             used = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
             cpu.append(used * 1e3 / (nbytes / 1e6))
-        latency = _median_ms(lambda: st.read_chunk("profile", 0, 0, Kind.HIDDEN))
-        res = IOResult(nbytes / secs / 1e9, latency, statistics.median(cpu))
+        latency = max(fixed, _median_ms(lambda: st.read_chunk("profile", 0, 0, Kind.HIDDEN)))
+        res = IOResult(rate, latency, statistics.median(cpu))
         elem = torch.finfo(model.dtype).bits // 8
         for n in compute:
             owner = "profile" if n == tokens else f"profile-{n}"  # the read owner serves its own length
