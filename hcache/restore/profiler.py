@@ -118,7 +118,7 @@ def _io(model: DecoderModel, dirs: list[Path], tokens: int, compute: tuple[int, 
         secs = _median_ms(read_all) / 1e3
         # and a quarter as much: a restore's reads cost a fixed part (planning, the first
         # request's latency, the ramp of request sizes) plus bytes over the rate; one length
-        # alone under-predicted 1K-token restores by 20-40% and over-predicted 16K ones
+        # alone spread the fixed part over every byte, and 1K-token restores ran 20-40% over
         rate, fixed = nbytes / secs / 1e9, 0.0
         short = tokens // 4 // CHUNK_TOKENS * CHUNK_TOKENS
         if short:
