@@ -116,8 +116,5 @@ def checksum_parts(parts: list[memoryview | bytes]) -> int:
     h = xxhash.xxh3_64()
     for p in parts:
         h.update(p)
-    return _signed(h.intdigest())
-
-
-def _signed(v: int) -> int:
+    v = h.intdigest()
     return v - (1 << 64) if v >= 1 << 63 else v

@@ -118,14 +118,6 @@ def plan_requests(
     return out
 
 
-def _extends(run: list[ChunkRow], r: ChunkRow) -> bool:
-    """Does `r` continue `run`: same layer and kind, next slot, same index step?"""
-    last = run[-1]
-    if r.layer != last.layer or r.kind != last.kind or r.slot != last.slot + 1 or r.idx <= last.idx:
-        return False
-    return len(run) == 1 or r.idx - last.idx == last.idx - run[-2].idx
-
-
 _NTOKENS = operator.attrgetter("ntokens")
 
 
@@ -286,13 +278,11 @@ class OwnerReader:
         # chunks of one layer in consecutive slots, with evenly spaced indices (chunk c of a
         # layer lives in directory (layer + c) mod N), take one strided copy
         whole = torch.frombuffer(bounce[:n], dtype=torch.uint8)
-        run: list[ChunkRow] = []
-        for r in [*good, None]:
-            if run and (r is None or not _extends(run, r) or self._is_tail(r)):
-                self._place_run(q, sb, whole, run, shape)
-                run = []
-            if r is not None:
-                run.append(r)
+        i = 0
+        while i < len(good):
+            j = self._run_end(good, i)
+            self._place_run(q, sb, whole, good[i:j], shape)
+            i = j
 
     def _scatter_plan(
         self, q: Request, shape: ChunkShape, sb: int
@@ -324,19 +314,9 @@ class OwnerReader:
                 parts.append(None)
                 nxt, i = r.slot + 1, i + 1
                 continue
-            # the run: this layer's next chunks in the next slots, evenly spaced, none a tail
-            full = slot.want.hi // CHUNK_TOKENS
-            c = chunks[i + 1] if i + 1 < n else r
-            gap = c.idx - r.idx if c.layer == r.layer and c.kind == r.kind and c.idx > r.idx else 1
-            j = i + 1
-            while j < n:
-                c = chunks[j]
-                if c.slot != r.slot + j - i or c.layer != r.layer or c.kind != r.kind:
-                    break
-                if c.idx != r.idx + (j - i) * gap or c.idx >= full:
-                    break
-                j += 1
+            j = self._run_end(chunks, i)
             k = j - i
+            gap = chunks[i + 1].idx - r.idx if k > 1 else 1
             o = (r.idx * CHUNK_TOKENS - slot.want.lo) * step
             stride = gap * piece
             if kv:  # per chunk its K rows, then its V rows a padded layer further on
@@ -382,6 +362,24 @@ class OwnerReader:
             _, n, width = slot.shape
             slot.rows = num_chunks(n) * CHUNK_TOKENS
             slot.out = self.store.take_buffer((2, slot.rows, width))[:, :n]
+
+    def _run_end(self, chunks: list[ChunkRow], i: int) -> int:
+        """End of the run from `chunks[i]`: the same layer's next chunks in the next slots,
+        with evenly spaced indices (chunk c of a layer lives in directory (layer + c) mod N),
+        none a tail. A run lands in place, or is copied out of the bounce buffer, in one go."""
+        r, n = chunks[i], len(chunks)
+        full = self._slot_of[(r.layer, r.kind)].want.hi // CHUNK_TOKENS  # chunks from here are tails
+        nxt = chunks[i + 1] if i + 1 < n else r
+        gap = nxt.idx - r.idx
+        j = i + 1
+        while j < n and gap > 0:
+            c = chunks[j]
+            if c.slot != r.slot + j - i or c.layer != r.layer or c.kind != r.kind:
+                break
+            if c.idx != r.idx + (j - i) * gap or c.idx >= full:
+                break
+            j += 1
+        return j
 
     def _is_tail(self, r: ChunkRow) -> bool:
         return (r.idx + 1) * CHUNK_TOKENS > self._slot_of[(r.layer, r.kind)].want.hi

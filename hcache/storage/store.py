@@ -56,7 +56,7 @@ class StorageConfig:
     max_request_bytes: int = 32 << 20  # this VM: 8 MB requests reach ~0.75 of the rate 32 MB ones do
     first_request_bytes: int = 2 << 20  # an owner's first request per slab; later ones double up to the max
     request_layers: int = 3  # a request takes chunks of at most this many layers: lumps stay small
-    read_depth: int = 8  # requests in flight per directory (sharing read_depth + dirs buffers)
+    read_depth: int = 8  # requests in flight per directory (read_depth + dirs bounce buffers serve tails)
     prefetch_layers: int = 12
     prefetch_bytes: int = 128 << 20  # ... or more layers while those hold less than this
     fsync_group_bytes: int = 16 << 20
