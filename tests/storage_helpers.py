@@ -44,11 +44,11 @@ def save(store: ChunkStore, owner: str, start: int, n: int, kinds=KINDS, salt: f
 
 
 def expected(layer: int, kind: Kind, n: int, salt_from: int | None = None, salt: float = 0.0) -> torch.Tensor:
-    """What a layer reads back as: H `[n, hidden]`, KV `[2, n, kv_dim]`; rows from `salt_from` on carry `salt`."""
+    """What a layer reads back as: H `[n, hidden]`, KV `[n, 2, kv_dim]`; rows from `salt_from` on carry `salt`."""
     rows = h_rows(layer, 0, n) if kind == Kind.HIDDEN else kv_rows(layer, 0, n)
     if salt_from is not None:
         rows[salt_from:] += salt if kind == Kind.HIDDEN else torch.tensor([salt, -salt])[:, None]
-    return rows if kind == Kind.HIDDEN else rows.transpose(0, 1)
+    return rows
 
 
 def check_all(store: ChunkStore, owner: str, n: int, kinds=KINDS, **kw) -> None:
@@ -56,5 +56,5 @@ def check_all(store: ChunkStore, owner: str, n: int, kinds=KINDS, **kw) -> None:
     for i, k in enumerate(kinds):
         if k is not None:
             got = r.get(i)
-            assert got.shape[-2 if k == Kind.KV else 0] == n
+            assert got.shape[0] == n
             assert torch.equal(got, expected(i, k, n, **kw)), f"layer {i} differs"

@@ -13,7 +13,7 @@ from hcache.engine.sampler import SamplingParams
 from hcache.model import KVCache
 from hcache.model.base import DecoderModel
 from hcache.restore.plan import Method, Plan
-from hcache.restore.restorer import restore
+from hcache.restore.restorer import moved_by_buffer, restore
 from hcache.restore.state import MemoryState
 
 MODELS = [*TINY, "default"]
@@ -132,3 +132,26 @@ def test_tokenwise_split_restores_exactly(model: DecoderModel, split: int) -> No
         for got, want in zip(restored.layer_kv(layer), state.kv(layer), strict=True):
             assert torch.equal(got[split:], want[split:])
             assert rel_err(got, want) <= REL
+
+
+def test_k_and_v_views_of_one_buffer_move_in_one_copy() -> None:
+    """The CUDA feed's gather: a stored layer's K and V (strided views of one `[n, 2, kv_dim]`
+    buffer, offset into it) go over as one contiguous span and come back as the same views;
+    separate buffers each take their own copy. Run here with a clone standing in for the move."""
+    pool = torch.arange(2 * 10 * 2 * 6, dtype=torch.float32).view(20, 2, 6)
+    both = pool[3:13]  # a read buffer handed out from the middle of a larger one
+    k, v = both[:, 0].unflatten(1, (2, 3)), both[:, 1].unflatten(1, (2, 3))
+    other = torch.randn(4, 5)
+    empty = torch.empty(0, 2, 3)
+    copies: list[int] = []
+
+    def move(flat: torch.Tensor) -> torch.Tensor:
+        assert flat.is_contiguous()
+        copies.append(flat.numel())
+        return flat.clone()
+
+    got = moved_by_buffer((k, v, other, empty), move)
+    assert copies == [10 * 2 * 6, 20, 0]  # K and V: one span of exactly their rows; then the others
+    for a, b in zip(got, (k, v, other, empty), strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)
+    assert got[0].untyped_storage().data_ptr() == got[1].untyped_storage().data_ptr() != k.untyped_storage().data_ptr()

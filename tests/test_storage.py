@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from hcache.storage.errors import ChunkError, StorageError, StorageFull, StoreLo
 from hcache.storage.fsck import fsck
 from hcache.storage.layout import CHUNK_TOKENS, Kind, home_dir
 from hcache.storage.slab import aligned_buffer
-from hcache.storage.store import ChunkStore, StorageConfig
+from hcache.storage.store import MANIFEST, ChunkStore, StorageConfig
 
 
 def open_store(dirs, **kw) -> ChunkStore:
@@ -146,6 +147,46 @@ def test_directory_list_must_not_change(dirs) -> None:
     open_store(dirs[:2]).close()
     with pytest.raises(StorageError, match="differ"):
         open_store([dirs[0], dirs[2]])
+
+
+def test_store_with_the_old_kv_layout_is_refused_not_misread(dirs) -> None:
+    """KV chunks written as K rows then V rows ([2, 64, kv_dim], before the layout was
+    recorded) would read back as garbage that passes its checksum: the store says so
+    and leaves every chunk as it was."""
+    with open_store(dirs[:2]) as st:
+        st.create_owner("s", KINDS, "fp")
+        n = chat_turns(st, "s")
+        st.manifest.db.execute("DELETE FROM meta WHERE key='kv_layout'")  # as an older hcache left it
+    with pytest.raises(StorageError, match=r"K rows, then V rows.*empty directories"):
+        open_store(dirs[:2])
+    with sqlite3.connect(dirs[0] / MANIFEST) as db:  # these chunks are in fact token-major: nothing was lost
+        db.execute("INSERT INTO meta VALUES('kv_layout', 'tokens,2,kv_dim')")
+    with open_store(dirs[:2]) as st:
+        check_all(st, "s", n)
+    with open_store(dirs[2:3]) as st:  # no KV chunks yet: the layout is recorded, nothing refused
+        assert st.manifest.get_meta("kv_layout") == "tokens,2,kv_dim"
+
+
+def test_a_run_of_kv_chunks_is_read_as_one_segment(dirs, monkeypatch) -> None:
+    """KV chunks are token-major ([64, 2, kv_dim]), so a layer's chunks in consecutive slots
+    land in place as one iovec: on this VM's virtio disk every segment of a request costs
+    (K and V rows in separate halves took two per chunk)."""
+    import hcache.storage.slab as slab
+
+    segments, orig = [], slab.SlabFile.scatter
+    monkeypatch.setattr(
+        slab.SlabFile, "scatter", lambda sf, first, parts: segments.append(len(parts)) or orig(sf, first, parts)
+    )
+    kinds = [Kind.KV] * GEOM.num_layers
+    with open_store(dirs[:1]) as st:
+        st.create_owner("s", kinds, "fp")
+        save(st, "s", 0, 8 * CHUNK_TOKENS, kinds)  # 8 full chunks per layer, in extents of 4 and 8 slots
+        st.mark_durable("s", list(range(8 * CHUNK_TOKENS)))
+        r = st.reader("s", range(GEOM.num_layers))
+        for i in range(GEOM.num_layers):
+            assert torch.equal(r.get(i), expected(i, Kind.KV, 8 * CHUNK_TOKENS))
+        assert st.stats.chunks_read_in_place == 8 * GEOM.num_layers
+    assert sum(segments) <= 3 * GEOM.num_layers, segments  # a run or two per layer (and gaps to skip), not 2 per chunk
 
 
 def test_second_process_is_refused(dirs) -> None:
@@ -290,7 +331,7 @@ def test_both_kinds_and_token_ranges(dirs) -> None:
         r = st.reader("s", wants=wants)
         for i in range(GEOM.num_layers):
             assert torch.equal(r.get(i, Kind.HIDDEN), expected(i, Kind.HIDDEN, n)[:split])
-            assert torch.equal(r.get(i, Kind.KV), expected(i, Kind.KV, n)[:, split:])
+            assert torch.equal(r.get(i, Kind.KV), expected(i, Kind.KV, n)[split:])
         with pytest.raises(ValueError, match="bad token range"):
             st.reader("s", wants=[Want(0, Kind.KV, 10, n)])
 
@@ -488,8 +529,8 @@ def test_io_buffers_are_backed_by_huge_pages() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_full_chunks_are_read_in_place_and_tails_copied(dirs, dtype) -> None:
-    """Full chunks land straight in the layer buffers (K and V rows in their halves), the
-    tail through the bounce buffer; both read back exactly, from 1 or 3 directories."""
+    """Full chunks land straight in the layer buffers, the tail through the bounce buffer;
+    both read back exactly, from 1 or 3 directories."""
     for n_dirs in (1, 3):
         d = [p / f"inplace-{n_dirs}" for p in dirs[:n_dirs]]
         for x in d:
@@ -517,5 +558,5 @@ def test_rows_that_break_alignment_are_copied(tmp_path) -> None:
         st.save_rows("s", 0, {0: h}, {1: kv})
         st.mark_durable("s", list(range(200)))
         r = st.reader("s", [0, 1])
-        assert torch.equal(r.get(0), h) and torch.equal(r.get(1), kv.transpose(0, 1))
+        assert torch.equal(r.get(0), h) and torch.equal(r.get(1), kv)
         assert st.stats.chunks_read_in_place == 0

@@ -21,6 +21,7 @@ from hcache.engine.block_pool import PagedCache
 from hcache.engine.saver import Saver
 from hcache.model.base import DecoderModel
 from hcache.restore.plan import Method, Plan
+from hcache.restore.restorer import to_device
 from hcache.restore.state import StateSource, StateUnavailable
 
 
@@ -96,7 +97,7 @@ class PrefillJob:
                 positions = torch.arange(h.shape[0], device=self.model.device)
                 k, v = self.model.kv_from_hidden(layer, h.to(self.model.device, self.model.dtype), positions)
             else:
-                k, v = self.source.kv(layer)
+                k, v = to_device(self.source.kv(layer), self.model.device)
             self.cache.write(layer, k, v, start=0)
             self.source.release(layer)
         except StateUnavailable:

@@ -11,6 +11,7 @@ are copied on a side stream."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +52,43 @@ def kv_as_saved(layer: int, k: torch.Tensor, v: torch.Tensor, cache: KVCache) ->
     cache.write(layer, k, v, start=0)
 
 
+def to_device(
+    ts: tuple[torch.Tensor, ...], device: torch.device, non_blocking: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """Host tensors on `device`. A stored layer's K and V are strided views of one `[n, 2,
+    kv_dim]` buffer; moved one by one, each would first be gathered into pageable memory on
+    the CPU and copied synchronously. A no-op for tensors already there."""
+    if all(t.device == device for t in ts):
+        return ts
+    return moved_by_buffer(ts, lambda flat: flat.to(device, non_blocking=non_blocking, copy=True))
+
+
+def moved_by_buffer(
+    ts: tuple[torch.Tensor, ...], move: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
+    """`move` applied once per buffer, to the contiguous span its views cover; each tensor
+    comes back as the same view of the moved span."""
+    spans: dict[int, tuple[int, int]] = {}  # storage -> element span its views cover
+    for t in ts:
+        if t.numel():
+            key, lo = t.untyped_storage().data_ptr(), t.storage_offset()
+            hi = lo + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
+            a, b = spans.get(key, (lo, hi))
+            spans[key] = (min(a, lo), max(b, hi))
+    moved: dict[int, torch.Tensor] = {}
+    out = []
+    for t in ts:
+        if not t.numel():
+            out.append(move(t.reshape(-1)).view(t.shape))
+            continue
+        key = t.untyped_storage().data_ptr()
+        lo, hi = spans[key]
+        if key not in moved:
+            moved[key] = move(t.as_strided((hi - lo,), (1,), lo))
+        out.append(moved[key].as_strided(t.shape, t.stride(), t.storage_offset() - lo))
+    return tuple(out)
+
+
 class _DeviceFeed:
     """Moves a layer's host tensors to the model's device (on CUDA through a copy stream,
     off the compute stream, so the copy overlaps the previous layer's kernels)."""
@@ -62,11 +100,11 @@ class _DeviceFeed:
 
     def __call__(self, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if not self.cuda:
-            return tuple(t.to(self.device) for t in ts)
+            return to_device(ts, self.device)
         assert self.stream is not None
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
-            out = tuple(t.to(self.device, non_blocking=True) for t in ts)
+            out = to_device(ts, self.device, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         for t in out:  # used on the compute stream: its memory must not be reused before that is done

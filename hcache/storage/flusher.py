@@ -146,10 +146,7 @@ class Packer(threading.Thread):
                     buf = st.chunks.get((layer, kind))
                     if buf is None or off == 0:
                         buf = st.chunks[(layer, kind)] = self.store.new_chunk(kind)
-                    if kind == Kind.HIDDEN:
-                        buf.t[off : off + take] = batch.hidden[layer][rows]
-                    else:
-                        buf.t[:, off : off + take] = batch.kv[layer][rows].transpose(0, 1)
+                    buf.t[off : off + take] = (batch.hidden if kind == Kind.HIDDEN else batch.kv)[layer][rows]
                     if off + take == CHUNK_TOKENS:
                         self._emit(seg.owner, st, layer, idx, kind, buf, CHUNK_TOKENS)
                         del st.chunks[(layer, kind)]

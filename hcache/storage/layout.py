@@ -51,9 +51,17 @@ def align_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
+# A KV chunk holds 64 token rows, each the token's K then its V (`[64, 2, kv_dim]`), as the
+# staging ring and DESIGN.md lay KV out. Stores written with K rows then V rows
+# (`[2, 64, kv_dim]`) cannot be read as this: the manifest records the layout.
+KV_LAYOUT = "tokens,2,kv_dim"
+
+
 @dataclass(frozen=True)
 class ChunkShape:
-    """Elements per token row and the chunk's tensor shape for one kind."""
+    """Elements per token row and the chunk's tensor shape for one kind. Both kinds are
+    token-major, so a run of a layer's chunks in consecutive slots is one run of token rows
+    in memory: it is read in place as one segment, and a tail's valid rows come first."""
 
     kind: Kind
     width: int  # elements per token (hidden, or kv_dim for each of K and V)
@@ -61,7 +69,7 @@ class ChunkShape:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (CHUNK_TOKENS, self.width) if self.kind == Kind.HIDDEN else (2, CHUNK_TOKENS, self.width)
+        return (CHUNK_TOKENS, self.width) if self.kind == Kind.HIDDEN else (CHUNK_TOKENS, 2, self.width)
 
     @property
     def nbytes(self) -> int:
@@ -109,8 +117,8 @@ def checksum(data: memoryview | bytes) -> int:
 
 
 def checksum_parts(parts: list[memoryview | bytes]) -> int:
-    """`checksum` of the parts' concatenation, for a chunk read in place in pieces (a KV
-    chunk's K and V rows land in separate halves of the layer's buffer). Always the
+    """`checksum` of the parts' concatenation (a chunk read in place is a slice of its
+    layer's buffer, and a chunk of one kind may also be split over pieces). Always the
     streaming hasher: it lets go of the GIL for pieces over 64 KB (the one-shot function
     does not), so reader threads keep submitting while a hidden-state chunk is hashed."""
     h = xxhash.xxh3_64()

@@ -174,6 +174,10 @@ class Manifest:
                 rows = self.db.execute("SELECT * FROM chunks WHERE owner=? ORDER BY layer, idx", (owner,)).fetchall()
         return [ChunkRow(*r) for r in rows]
 
+    def has_chunks(self, kind: str) -> bool:
+        with self.lock:
+            return self.db.execute("SELECT 1 FROM chunks WHERE kind=? LIMIT 1", (kind,)).fetchone() is not None
+
     def delete_chunks(self, rows: list[ChunkRow]) -> None:
         with self.lock, self.db:
             self.db.execute("BEGIN IMMEDIATE")

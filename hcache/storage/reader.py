@@ -53,7 +53,6 @@ class LayerSlot:
     shape: tuple[int, ...]
     remaining: int
     out: torch.Tensor | None = None  # taken from the store's buffer pool when the first chunk lands
-    rows: int = 0  # rows between K and V in `out`'s buffer (KV: the tokens rounded up to chunks)
     mem: memoryview | None = None  # `out`'s buffer as bytes, for reads in place
     ready: threading.Event = field(default_factory=threading.Event)
     error: ChunkError | None = None
@@ -149,7 +148,7 @@ class OwnerReader:
             n = w.hi - w.lo
             first, last = w.lo // CHUNK_TOKENS, num_chunks(w.hi)
             slot = self.slots[(w.layer, w.kind)] = LayerSlot(
-                w, (n, width) if w.kind == Kind.HIDDEN else (2, n, width), last - first
+                w, (n, width) if w.kind == Kind.HIDDEN else (n, 2, width), last - first
             )
             have = index.get((w.layer, w.kind.value), {})
             wanted = range(first, last)
@@ -295,9 +294,8 @@ class OwnerReader:
         `q.chunks`, its bytes in place for the checksum (None: in the bounce buffer). Built a
         run at a time (a layer's chunks in consecutive slots): this runs on the reader thread
         between two reads, holding the GIL."""
-        piece = CHUNK_TOKENS * shape.width * shape.dtype.itemsize  # a chunk's rows of K, V or H
-        step = piece // CHUNK_TOKENS  # bytes per row
-        kv = shape.kind == Kind.KV
+        piece = shape.nbytes  # a chunk's 64 token rows (H, or each token's K and V)
+        step = piece // CHUNK_TOKENS  # bytes per token row
         # chunks land in place only when their rows are whole pages, so their slots have no padding
         targets: list[memoryview | tuple[int, int]] = []
         parts: list[list[memoryview] | None] = []
@@ -319,15 +317,10 @@ class OwnerReader:
             gap = chunks[i + 1].idx - r.idx if k > 1 else 1
             o = (r.idx * CHUNK_TOKENS - slot.want.lo) * step
             stride = gap * piece
-            if kv:  # per chunk its K rows, then its V rows a padded layer further on
-                v = o + slot.rows * step
-                pieces = [mem[x : x + piece] for m in range(k) for x in (o + m * stride, v + m * stride)]
-                targets.extend(pieces)
-                parts.extend([pieces[2 * m : 2 * m + 2] for m in range(k)])
-            else:
-                pieces = [mem[x : x + piece] for x in range(o, o + k * stride, stride)]
-                targets.extend([mem[o : o + k * piece]] if gap == 1 else pieces)  # consecutive chunks: one target
-                parts.extend([[p] for p in pieces])
+            pieces = [mem[x : x + piece] for x in range(o, o + k * stride, stride)]
+            # consecutive chunks are consecutive token rows: one target, one segment of the request
+            targets.extend([mem[o : o + k * piece]] if gap == 1 else pieces)
+            parts.extend([[p] for p in pieces])
             nxt, i = r.slot + k, j
         return targets, parts
 
@@ -352,16 +345,9 @@ class OwnerReader:
             return slot.mem
 
     def _take(self, slot: LayerSlot) -> None:
-        """Give the slot its layer buffer (under the lock). A KV buffer's V half starts a whole
-        number of chunks after its K half, so every full chunk's V rows can land aligned."""
-        if slot.out is not None:
-            return
-        if slot.want.kind == Kind.HIDDEN:
-            slot.out, slot.rows = self.store.take_buffer(slot.shape), slot.shape[0]
-        else:
-            _, n, width = slot.shape
-            slot.rows = num_chunks(n) * CHUNK_TOKENS
-            slot.out = self.store.take_buffer((2, slot.rows, width))[:, :n]
+        """Give the slot its layer buffer (under the lock)."""
+        if slot.out is None:
+            slot.out = self.store.take_buffer(slot.shape)
 
     def _run_end(self, chunks: list[ChunkRow], i: int) -> int:
         """End of the run from `chunks[i]`: the same layer's next chunks in the next slots,
@@ -394,23 +380,14 @@ class OwnerReader:
         lo, hi = slot.want.lo, slot.want.hi
         with self._lock:
             self._take(slot)
-        hidden = Kind(first.kind) == Kind.HIDDEN
         start = first.idx * CHUNK_TOKENS - lo  # row in the output
         if self._is_tail(first):  # the partial last chunk: only its valid rows
-            n = hi - first.idx * CHUNK_TOKENS
-            if hidden:
-                slot.out[start:] = chunks[0, :n]
-            else:
-                slot.out[:, start:] = chunks[0, :, :n]
+            slot.out[start:] = chunks[0, : hi - first.idx * CHUNK_TOKENS]
         else:
             full = (hi - lo) // CHUNK_TOKENS
             c0 = start // CHUNK_TOKENS
             sel = slice(c0, c0 + step * (k - 1) + 1, step)
-            if hidden:
-                slot.out[: full * CHUNK_TOKENS].view(full, CHUNK_TOKENS, -1)[sel] = chunks
-            else:
-                out = slot.out[:, : full * CHUNK_TOKENS].view(2, full, CHUNK_TOKENS, -1)
-                out[:, sel] = chunks.transpose(0, 1)
+            slot.out[: full * CHUNK_TOKENS].view(full, *shape.shape)[sel] = chunks
         self._done(slot, k)
 
     def _fail(self, r: ChunkRow, reason: str) -> None:
@@ -434,7 +411,7 @@ class OwnerReader:
         return self.slots[(layer, kind)]
 
     def get(self, layer: int, kind: Kind | None = None) -> torch.Tensor:
-        """The rows asked for: `[n, hidden]` for H, `[2, n, kv_dim]` (K then V) for KV."""
+        """The rows asked for: `[n, hidden]` for H, `[n, 2, kv_dim]` (each token's K then V) for KV."""
         slot = self._slot(layer, kind)
         with self._lock:
             self._cursor = max(self._cursor, layer)

@@ -69,9 +69,8 @@ class StoreSource(StateSource):
         return self._get(layer, Kind.HIDDEN, lo, hi)
 
     def kv(self, layer: int, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        both = self._get(layer, Kind.KV, lo, hi)
-        n = both.shape[1]
-        return both[0].view(n, *self._kv_shape), both[1].view(n, *self._kv_shape)
+        both = self._get(layer, Kind.KV, lo, hi)  # [n, 2, kv_dim]: K and V are strided views of it
+        return both[:, 0].unflatten(1, self._kv_shape), both[:, 1].unflatten(1, self._kv_shape)
 
     def ready(self, layer: int) -> bool:
         if self.reader is None:

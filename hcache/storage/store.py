@@ -25,6 +25,7 @@ from hcache.storage.errors import ChunkError, FingerprintMismatch, StorageError,
 from hcache.storage.flusher import ChunkBuf, ChunkWrite, DirWriter, FlushTail, Forget, Packer
 from hcache.storage.layout import (
     CHUNK_TOKENS,
+    KV_LAYOUT,
     ChunkShape,
     Kind,
     Stored,
@@ -112,6 +113,15 @@ class ChunkStore:
                 "chunks are placed by directory position; start with the same list, in the same order"
             )
         self.manifest.set_meta("dirs", listed)
+        layout = self.manifest.get_meta("kv_layout")
+        if layout != KV_LAYOUT and (layout is not None or self.manifest.has_chunks(Kind.KV.value)):
+            self.close()
+            raise StorageError(
+                f"{self.dirs[0]}: its KV chunks are laid out as {layout or '[2, 64, kv_dim] (K rows, then V rows)'}; "
+                f"this hcache reads [64, 2, kv_dim] ({KV_LAYOUT}). Serve them with the hcache that wrote them, "
+                "or start this one on empty directories"
+            )
+        self.manifest.set_meta("kv_layout", KV_LAYOUT)
         self.shapes: dict[Kind, ChunkShape] = chunk_shapes(model, dtype)
         self.chunk_buffers = {k: ChunkBuffers(s.slot_bytes, self._chunk_view(s)) for k, s in self.shapes.items()}
         self.lock = threading.RLock()
