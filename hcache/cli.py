@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from hcache.config import Config
+from hcache.malloc import tune_allocator
 from hcache.storage.errors import StorageError
 
 
@@ -84,6 +85,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    tune_allocator()  # before the model and its tensors exist
     cfg = Config(model=getattr(args, "model", "default"), dtype=getattr(args, "dtype", "float32"))
     if getattr(args, "threads", 0):
         import torch

@@ -11,12 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from hcache.malloc import tune_allocator
 from hcache.model.base import DecoderModel
 from hcache.model.loader import LoadedModel, default_model_path, load
 
 # HCACHE_TEST_DEVICE=cuda runs the model-backed tests on a GPU (the CUDA paths: copy stream,
 # pinned buffers); CI has none and runs them on the CPU
 DEVICE = os.environ.get("HCACHE_TEST_DEVICE", "cpu")
+
+tune_allocator()  # tests run under the allocator settings the service runs with
 
 TINY = {
     "llama_mha": dict(kind="llama", num_attention_heads=4, num_key_value_heads=4),
