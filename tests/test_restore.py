@@ -155,3 +155,33 @@ def test_k_and_v_views_of_one_buffer_move_in_one_copy() -> None:
     for a, b in zip(got, (k, v, other, empty), strict=True):
         assert a.shape == b.shape and torch.equal(a, b)
     assert got[0].untyped_storage().data_ptr() == got[1].untyped_storage().data_ptr() != k.untyped_storage().data_ptr()
+
+
+def test_projection_lands_in_the_cache_rows(model: DecoderModel) -> None:
+    """The H path writes K/V straight into the cache (the same kernels as a plain
+    `kv_from_hidden`, bit for bit); a paged cache whose blocks are not one run takes them
+    through `write` instead."""
+    from hcache.engine.block_pool import BlockPool, PagedCache
+    from hcache.kernels.projection import Projector
+
+    state, _ = chat_like(model)
+    n, cfg = len(state.tokens), model.cfg
+    pos = torch.arange(n, device=model.device)
+    pool = BlockPool(cfg, model.dtype, model.device, num_blocks=8)
+    gap = PagedCache(pool)
+    gap.reserve(64)
+    pool.allocate(1)  # the next block is taken: the sequence's blocks are not one run
+    gap.reserve(n)
+    assert not gap.contiguous and gap.dest(0, 0, n) is None
+    flat = KVCache(cfg, model.dtype, model.device, capacity=n)
+    project = Projector(model)
+    for layer in range(cfg.num_layers):
+        want = model.kv_from_hidden(layer, state.hidden(layer), pos)
+        for cache in (flat, gap):
+            project(layer, state.hidden(layer), cache)
+            for got, w in zip(cache.layer_kv(layer, n), want, strict=True):
+                assert torch.equal(got, w), f"layer {layer}"
+        k_rows, _ = flat.dest(layer, 0, n)
+        assert k_rows.data_ptr() == flat.k[layer].data_ptr()  # the cache's own rows, no copy
+    with pytest.raises(ValueError, match="capacity"):
+        flat.dest(0, 0, flat.capacity + 1)

@@ -129,6 +129,14 @@ class PagedCache:
             self.pool.k[layer].index_copy_(0, rows, k.to(self.pool.dtype))
             self.pool.v[layer].index_copy_(0, rows, v.to(self.pool.dtype))
 
+    def dest(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer `layer`'s K and V rows for positions `start..start+n` as views to write in
+        place, when the sequence's blocks are one run; None otherwise (use `write`)."""
+        rows = self._span(start, n)
+        if not isinstance(rows, slice) or start + n > self.capacity:
+            return None
+        return self.pool.k[layer][rows], self.pool.v[layer][rows]
+
     def layer_kv(self, layer: int, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.length if n is None else n
         rows = self._span(0, n)

@@ -19,6 +19,7 @@ import torch
 
 from hcache.engine.block_pool import PagedCache
 from hcache.engine.saver import Saver
+from hcache.kernels.projection import Projector
 from hcache.model.base import DecoderModel
 from hcache.restore.plan import Method, Plan
 from hcache.restore.restorer import to_device
@@ -60,6 +61,7 @@ class PrefillJob:
         self.report = PrefillReport(ms_by_method=dict.fromkeys((m.value for m in Method), 0.0))
         self.last_hidden: torch.Tensor | None = None  # final-norm hidden of the last new token
         self._recomputed = 0
+        self._project = Projector(model)
         self.waiting_on: int | None = None  # the layer whose stored state is not in yet
 
     def wait_storage(self, timeout: float) -> None:
@@ -93,12 +95,9 @@ class PrefillJob:
         t1 = time.perf_counter()
         try:
             if method == Method.HIDDEN:
-                h = self.source.hidden(layer)
-                positions = torch.arange(h.shape[0], device=self.model.device)
-                k, v = self.model.kv_from_hidden(layer, h.to(self.model.device, self.model.dtype), positions)
+                self._project(layer, self.source.hidden(layer), self.cache)
             else:
-                k, v = to_device(self.source.kv(layer), self.model.device)
-            self.cache.write(layer, k, v, start=0)
+                self.cache.write(layer, *to_device(self.source.kv(layer), self.model.device), start=0)
             self.source.release(layer)
         except StateUnavailable:
             self.report.fallback_layers += layer + 1 - self._recomputed

@@ -56,6 +56,12 @@ class KVCache:
         self.k[layer][s : s + k.shape[0]] = k
         self.v[layer][s : s + v.shape[0]] = v
 
+    def dest(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s K and V rows for positions `start..start+n`, to be written in place."""
+        if start + n > self.capacity:  # a short view would be resized by out= kernels, not filled
+            raise ValueError(f"rows {start}..{start + n} past the cache's capacity {self.capacity}")
+        return self.k[layer][start : start + n], self.v[layer][start : start + n]
+
     def layer_kv(self, layer: int, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.length if n is None else n
         return self.k[layer][:n], self.v[layer][:n]

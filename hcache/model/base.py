@@ -16,14 +16,18 @@ from torch import nn
 from hcache.config import ModelConfig
 from hcache.model.attention import KVCache
 
+# where a layer's K and V `[T, kv_heads, head_dim]` go (a KV cache's rows), or None: new tensors
+KVOut = tuple[torch.Tensor, torch.Tensor] | None
+
 
 class DecoderLayer(nn.Module, ABC):
     @abstractmethod
     def forward(self, h: torch.Tensor, pos: Any, cache: KVCache, index: int) -> torch.Tensor: ...
 
     @abstractmethod
-    def kv_from_hidden(self, h: torch.Tensor, pos: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Post-RoPE K and V `[T, kv_heads, head_dim]` of this layer from its input `h` `[T, hidden]`."""
+    def kv_from_hidden(self, h: torch.Tensor, pos: Any, out: KVOut = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Post-RoPE K and V `[T, kv_heads, head_dim]` of this layer from its input `h` `[T, hidden]`,
+        written to `out` (contiguous, the model's dtype) when given."""
 
 
 class DecoderModel(nn.Module, ABC):
@@ -95,8 +99,10 @@ class DecoderModel(nn.Module, ABC):
         return h.hexdigest()
 
     @torch.inference_mode()
-    def kv_from_hidden(self, layer: int, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.layers[layer].kv_from_hidden(h, self.pos_context(positions))
+    def kv_from_hidden(
+        self, layer: int, h: torch.Tensor, positions: torch.Tensor, out: KVOut = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layers[layer].kv_from_hidden(h, self.pos_context(positions), out)
 
 
 def _slot(hidden_out: torch.Tensor | dict[int, torch.Tensor] | None, layer: int) -> torch.Tensor | None:

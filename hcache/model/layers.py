@@ -17,10 +17,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and scale in the model dtype, as the reference implementation does.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # Normalise in float32 and scale in the model dtype, as the reference implementation
+        # does, with the same roundings; in place, since each temporary of a layer's rows is
+        # megabytes: 1.7 -> 1.25 ms for 4096 x 576 bf16 rows on the 2-core VM
+        xf = x.to(torch.float32, copy=True)
+        xf.mul_(xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_())
+        out = xf.to(x.dtype)
+        return out.mul_(self.weight) if self.weight.dtype == out.dtype else self.weight * out
 
 
 class Rope:
@@ -57,8 +60,30 @@ def _llama3_inv_freq(inv: torch.Tensor, factor: float, low: float, high: float, 
     return torch.where(medium, smoothed, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[T, heads, head_dim]`, cos/sin `[T, head_dim]`."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x `[T, heads, head_dim]`, cos/sin `[T, head_dim]` (both halves equal, as `Rope` makes
+    them); the result goes to `out` when given (say, a KV cache's rows). Each half is
+    `x1 * cos - x2 * sin` and `x2 * cos + x1 * sin` with the roundings of the rotate-half
+    form `x * cos + cat(-x2, x1) * sin`, without its concatenated copy."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    out = torch.empty_like(x) if out is None else out
+    o1, o2 = out[..., :half], out[..., half:]
+    tmp = torch.mul(x2, s)
+    torch.mul(x1, c, out=o1).sub_(tmp)
+    torch.mul(x1, s, out=tmp)
+    torch.mul(x2, c, out=o2).add_(tmp)
+    return out
+
+
+def linear_into(x: torch.Tensor, lin: nn.Linear, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`lin(x)` for `x` `[T, in]`, written to `out` (any contiguous tensor of `T * out_features`
+    elements, say a KV cache's rows) when given: the same kernel as `lin(x)` (mm, or addmm
+    with a bias), so a restore's K/V equal the forward's."""
+    if out is None:
+        return lin(x)
+    dst = out.view(x.shape[0], -1)
+    if lin.bias is None:
+        return torch.mm(x, lin.weight.t(), out=dst)
+    return torch.addmm(lin.bias, x, lin.weight.t(), out=dst)

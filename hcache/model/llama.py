@@ -9,8 +9,8 @@ from torch import nn
 
 from hcache.config import ModelConfig
 from hcache.model.attention import KVCache
-from hcache.model.base import DecoderLayer, DecoderModel
-from hcache.model.layers import RMSNorm, Rope, apply_rope
+from hcache.model.base import DecoderLayer, DecoderModel, KVOut
+from hcache.model.layers import RMSNorm, Rope, apply_rope, linear_into
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -29,10 +29,11 @@ class LlamaLayer(DecoderLayer):
         self.w_up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def _kv(self, x: torch.Tensor, pos: CosSin) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kv(self, x: torch.Tensor, pos: CosSin, out: KVOut = None) -> tuple[torch.Tensor, torch.Tensor]:
         t = x.shape[0]
-        k = apply_rope(self.wk(x).view(t, self.n_kv, self.hd), *pos)
-        return k, self.wv(x).view(t, self.n_kv, self.hd)
+        k_out, v_out = out or (None, None)
+        k = apply_rope(self.wk(x).view(t, self.n_kv, self.hd), *pos, out=k_out)
+        return k, linear_into(x, self.wv, v_out).view(t, self.n_kv, self.hd)
 
     def forward(self, h: torch.Tensor, pos: CosSin, cache: KVCache, index: int) -> torch.Tensor:
         x = self.attn_norm(h)
@@ -42,8 +43,8 @@ class LlamaLayer(DecoderLayer):
         x = self.ffn_norm(h)
         return h + self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
-    def kv_from_hidden(self, h: torch.Tensor, pos: CosSin) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._kv(self.attn_norm(h), pos)
+    def kv_from_hidden(self, h: torch.Tensor, pos: CosSin, out: KVOut = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._kv(self.attn_norm(h), pos, out)
 
 
 class Llama(DecoderModel):

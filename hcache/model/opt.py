@@ -9,7 +9,8 @@ from torch import nn
 
 from hcache.config import ModelConfig
 from hcache.model.attention import KVCache
-from hcache.model.base import DecoderLayer, DecoderModel
+from hcache.model.base import DecoderLayer, DecoderModel, KVOut
+from hcache.model.layers import linear_into
 
 POSITION_OFFSET = 2  # OPT reserves the first two rows of its position table
 
@@ -26,9 +27,11 @@ class OPTLayer(DecoderLayer):
         self.fc1 = nn.Linear(d, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.fc2 = nn.Linear(cfg.intermediate_size, d, bias=cfg.mlp_bias)
 
-    def _kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kv(self, x: torch.Tensor, out: KVOut = None) -> tuple[torch.Tensor, torch.Tensor]:
         t = x.shape[0]
-        return self.wk(x).view(t, self.n_heads, self.hd), self.wv(x).view(t, self.n_heads, self.hd)
+        k_out, v_out = out or (None, None)
+        k, v = linear_into(x, self.wk, k_out), linear_into(x, self.wv, v_out)
+        return k.view(t, self.n_heads, self.hd), v.view(t, self.n_heads, self.hd)
 
     def forward(self, h: torch.Tensor, pos: None, cache: KVCache, index: int) -> torch.Tensor:
         x = self.attn_norm(h) if self.pre_norm else h
@@ -41,8 +44,8 @@ class OPTLayer(DecoderLayer):
         h = h + self.fc2(F.relu(self.fc1(x)))
         return h if self.pre_norm else self.ffn_norm(h)
 
-    def kv_from_hidden(self, h: torch.Tensor, pos: None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._kv(self.attn_norm(h) if self.pre_norm else h)
+    def kv_from_hidden(self, h: torch.Tensor, pos: None, out: KVOut = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._kv(self.attn_norm(h) if self.pre_norm else h, out)
 
 
 class OPT(DecoderModel):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hcache.kernels.projection import Projector
 from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
 from hcache.restore.plan import Method, Plan
@@ -40,12 +41,6 @@ def recompute_prefix(model: DecoderModel, tokens: list[int], cache: KVCache, num
     """KV of layers 0..num_layers-1 by a forward over the tokens from position 0."""
     ids = torch.tensor(tokens, dtype=torch.long, device=model.device)
     model(ids, torch.arange(len(tokens), device=model.device), cache, num_layers=num_layers)
-
-
-def kv_from_hidden(model: DecoderModel, layer: int, hidden: torch.Tensor, cache: KVCache) -> None:
-    positions = torch.arange(hidden.shape[0], device=model.device)
-    k, v = model.kv_from_hidden(layer, hidden.to(model.device, model.dtype), positions)
-    cache.write(layer, k, v, start=0)
 
 
 def kv_as_saved(layer: int, k: torch.Tensor, v: torch.Tensor, cache: KVCache) -> None:
@@ -139,6 +134,7 @@ def restore(
     cache = _empty_cache(model, cache, n)
     source.prepare(plan)  # reads start now, behind the recompute below
     feed = _DeviceFeed(model.device)
+    project = Projector(model)
     spent = dict.fromkeys((m.value for m in Method), 0.0)
     wait = 0.0
     recomputed = plan.n_recompute
@@ -162,7 +158,7 @@ def restore(
             t1 = time.perf_counter()
             wait += t1 - t
             if method == Method.HIDDEN:
-                kv_from_hidden(model, layer, *feed(data), cache)  # type: ignore[misc]
+                project(layer, *feed(data), cache)  # type: ignore[misc]
             else:
                 kv_as_saved(layer, *feed(*data), cache)
             source.release(layer)
@@ -203,6 +199,7 @@ def restore_tokenwise(
     cache = _empty_cache(model, cache, n)
     source.prepare_split(split)
     feed = _DeviceFeed(model.device)
+    project = Projector(model)
     spent = dict.fromkeys((m.value for m in Method), 0.0)
     wait, recomputed = 0.0, 0
     with torch.inference_mode():
@@ -222,7 +219,7 @@ def restore_tokenwise(
             t1 = time.perf_counter()
             wait += t1 - t
             if h is not None:
-                kv_from_hidden(model, layer, *feed(h), cache)
+                project(layer, *feed(h), cache)
             spent[Method.HIDDEN.value] += time.perf_counter() - t1
             t2 = time.perf_counter()
             if kv is not None:

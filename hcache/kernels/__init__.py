@@ -1,0 +1,1 @@
+"""Hot ops of the restore paths."""

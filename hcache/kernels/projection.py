@@ -1,0 +1,38 @@
+"""The H restore path: a layer's K and V from its stored input (norm, K/V projection,
+RoPE on K), written straight into the KV cache's rows. The positions' RoPE tables are
+made once per restore, not once per layer, and no K/V temporaries are copied into the
+cache afterwards: at 4K tokens on the multi-head default model each of those cost about
+as much as the norm."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from hcache.model.base import DecoderModel
+
+
+class KVRows(Protocol):
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int | None = None) -> None: ...
+
+    def dest(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+
+class Projector:
+    """H -> KV for the layers of one restore (every call projects positions `0..n-1`)."""
+
+    def __init__(self, model: DecoderModel):
+        self.model = model
+        self._n = -1
+        self._pos: Any = None
+
+    def __call__(self, layer: int, hidden: torch.Tensor, cache: KVRows) -> None:
+        m, n = self.model, hidden.shape[0]
+        if n != self._n:
+            self._n, self._pos = n, m.pos_context(torch.arange(n, device=m.device))
+        out = cache.dest(layer, 0, n)
+        with torch.inference_mode():
+            k, v = m.layers[layer].kv_from_hidden(hidden.to(m.device, m.dtype), self._pos, out)
+        if out is None:
+            cache.write(layer, k, v, start=0)
