@@ -36,3 +36,17 @@ class Projector:
             k, v = m.layers[layer].kv_from_hidden(hidden.to(m.device, m.dtype), self._pos, out)
         if out is None:
             cache.write(layer, k, v, start=0)
+
+
+def warm_up(model: DecoderModel) -> None:
+    """Compile what a prefill and an H restore run (hcache/kernels/fused.py) before the
+    first request: inductor takes seconds per kernel, twenty on a machine's first run."""
+    from hcache.kernels.fused import MIN_ROWS
+    from hcache.model.attention import KVCache
+
+    n = MIN_ROWS
+    cache = KVCache(model.cfg, model.dtype, model.device, capacity=n)
+    ids = torch.zeros(n, dtype=torch.long, device=model.device)
+    h = torch.zeros(n, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
+    model(ids, torch.arange(n, device=model.device), cache, hidden_out={0: h})
+    Projector(model)(0, h, cache)

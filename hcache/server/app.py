@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from hcache.config import Config
 from hcache.engine.engine import Engine
 from hcache.engine.telemetry import Telemetry
+from hcache.kernels.projection import warm_up
 from hcache.model.loader import LoadedModel, load
 from hcache.restore import profiler
 from hcache.restore.profile import Profile
@@ -77,6 +78,7 @@ def build_engine(
     dirs = [Path(d) for d in cfg.storage_dirs]
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
+    warm_up(loaded.model)
     if profile is None:
         profile = profiler.load_or_run(loaded.model, dirs, Path(cfg.profile_dir))
     store = ChunkStore(StorageConfig([str(d) for d in dirs]), loaded.model.cfg, loaded.model.dtype, cfg.device)

@@ -1,0 +1,75 @@
+"""RMSNorm and RoPE: the compiled one-pass forms against the reference formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hcache.kernels import fused
+
+
+def reference_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def tables(n: int, hd: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+    f = torch.arange(n).float()[:, None] * inv[None]
+    emb = torch.cat((f, f), -1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [3, 300])  # eager below MIN_ROWS, compiled above
+def test_rope_is_the_reference_bit_for_bit(dtype, rows) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 6, 64, generator=g).to(dtype)
+    cos, sin = tables(rows, 64, dtype)
+    want = reference_rope(x, cos, sin)
+    assert torch.equal(fused.rope(x, cos, sin), want)
+    out = torch.empty(rows + 5, 6, 64, dtype=dtype)[2 : rows + 2]  # rows inside a larger cache
+    assert fused.rope(x, cos, sin, out).data_ptr() == out.data_ptr()
+    assert torch.equal(out, want)
+    assert torch.equal(fused.rope_eager(x, cos, sin, None), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [3, 300])
+def test_rms_norm_keeps_the_reference_roundings(dtype, rows) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = (3 * torch.randn(rows, 576, generator=g)).to(dtype)
+    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    want = reference_norm(x, w, 1e-5)
+    assert torch.equal(fused.rms_norm_eager(x, w, 1e-5), want)
+    got = fused.rms_norm(x, w, 1e-5)
+    # compiled: the float32 sum of squares may add up in another order, which moves a row's
+    # scale by a unit in its last place (float32 rows then land a few units off)
+    ulp = 4 * torch.finfo(dtype).eps * want.float().abs()
+    assert ((got.float() - want.float()).abs() <= ulp).all()
+    x_before = x.clone()
+    fused.rms_norm(x.float(), w.float(), 1e-5)  # float32 input: in place on a copy, never on x
+    assert torch.equal(x, x_before)
+
+
+def test_many_rows_on_a_cpu_run_compiled(monkeypatch) -> None:
+    """The fused forms are what runs for many rows; the eager ones for a decode step's few."""
+    if not fused.compiled():
+        pytest.skip("HCACHE_COMPILE=0 or no compiler here")
+    calls = []
+    monkeypatch.setattr(fused, "rope_eager", lambda *a: calls.append("rope") or reference_rope(*a[:3]))
+    monkeypatch.setattr(fused, "rms_norm_eager", lambda *a: calls.append("norm") or reference_norm(*a))
+    for rows in (256, 2):
+        x = torch.randn(rows, 8, 32)
+        cos, sin = tables(rows, 32, torch.float32)
+        fused.rope(x, cos, sin)
+        fused.rms_norm(x.view(rows, -1), torch.ones(256), 1e-6)
+    assert fused.compiled()  # compiling did not fail
+    assert calls == ["rope", "norm"]  # only the 2-row calls
