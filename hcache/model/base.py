@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -80,6 +81,20 @@ class DecoderModel(nn.Module, ABC):
             h = self.layers[i](h, pos, cache, i)
         cache.commit()
         return self.head_norm(h) if n == self.cfg.num_layers else h
+
+    def prefix_steps(self, tokens: list[int], cache: KVCache, num_layers: int) -> Iterator[int]:
+        """`forward` of `tokens` from position 0 through layers `0..num_layers-1` (their K/V
+        into `cache`), a layer per step: yields each layer's index once it is done. The caller
+        holds `torch.inference_mode` (a generator cannot)."""
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(len(tokens), device=self.device)
+        cache.begin(len(tokens))
+        h = self.embed(ids, positions)
+        pos = self.pos_context(positions)
+        for i in range(num_layers):
+            h = self.layers[i](h, pos, cache, i)
+            yield i
+        cache.commit()
 
     @torch.inference_mode()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
