@@ -167,14 +167,17 @@ def run(
     for name in models:
         model = bench_model(name, dtype, device, random_weights)
         geom = Geometry.of(model.cfg, torch.finfo(dtype).bits // 8)
-        pdir = base / "profile"
-        pdir.mkdir(parents=True, exist_ok=True)
-        prof = profiler.run(model, [pdir], show=False)
-        log(
-            f"{name}: profile read {prof.read_gbps:.2f} GB/s ({prof.read_cpu_ms_per_mb:.2f} CPU ms/MB), "
-            f"H {prof.h_ms_fixed:.2f} + {prof.h_ms_per_ktok:.2f} ms/1K, RE {prof.re_points}, "
-            f"reads cost compute {prof.read_setup_ms:.1f} ms + {prof.read_cpu_ms_per_mb:.3f} ms/MB"
-        )
+        profiles: dict[int, Profile] = {}
+        for nd in dir_counts:  # read rates and the reads' CPU depend on the directories read in parallel
+            pdirs = [base / f"profile-{nd}-{i}" for i in range(nd)]
+            for d in pdirs:
+                d.mkdir(parents=True, exist_ok=True)
+            prof = profiles[nd] = profiler.run(model, pdirs, show=False)
+            log(
+                f"{name}, {nd} dirs: profile read {prof.read_gbps:.2f} GB/s ({prof.read_cpu_ms_per_mb:.2f} CPU ms/MB), "
+                f"H {prof.h_ms_fixed:.2f} + {prof.h_ms_per_ktok:.2f} ms/1K, RE {prof.re_points}, "
+                f"reads cost compute {prof.read_setup_ms:.1f} ms + {prof.read_cpu_ms_per_mb:.3f} ms/MB"
+            )
         for n in contexts:
             real = n <= real_max
             for nd in dir_counts:
@@ -189,6 +192,7 @@ def run(
                     cache = KVCache(model.cfg, dtype, device, capacity=n)
                     for cap in caps:
                         store.set_read_cap(cap)
+                        prof = profiles[nd]
                         plans = {m: method_plan(m, geom, prof, n, cap / 1000 if cap else None) for m in methods}
                         timed = [m for m in methods if not (m == "RE" and plans[m][1] > re_budget_s * 1e3)]
                         times: dict[str, list[float]] = {m: [] for m in timed}
