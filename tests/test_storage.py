@@ -377,7 +377,7 @@ def test_read_requests_follow_layer_order_and_grow():
                 idx[layer] += 1
                 nxt += 1
             nxt += rng.choice([0, 0, 1, 5])
-    qs = plan_requests(rows, {"h.x": slot}, max_bytes=8 << 20, first_bytes=2 << 20)
+    qs = list(plan_requests(rows, {"h.x": slot}, max_bytes=8 << 20, first_bytes=2 << 20))
     got = sorted((c.layer, c.idx) for q in qs for c in q.chunks)
     assert got == sorted((r.layer, r.idx) for r in rows)
     bound = 2
@@ -391,9 +391,80 @@ def test_read_requests_follow_layer_order_and_grow():
         later = [i for i, q in enumerate(qs) if q.min_layer > layer]
         assert not later or done < min(later), f"layer {layer} completes after a later layer's request"
     assert next(q.count for q in plan_requests(rows, {"h.x": slot}, max_bytes=8 << 20)) > 2
-    near = plan_requests(rows, {"h.x": slot}, max_bytes=8 << 20, ahead=2)
+    near = list(plan_requests(rows, {"h.x": slot}, max_bytes=8 << 20, ahead=2))
     assert all(c.layer - q.min_layer < 2 for q in near for c in q.chunks)
     assert sorted((c.layer, c.idx) for q in near for c in q.chunks) == got
+
+
+def _plan_chunk_by_chunk(rows, slot_bytes, max_bytes, max_gap=2, first_bytes=0, ahead=1 << 30):
+    """plan_requests' rule, walked a chunk at a time: the reference for the extent-level planner."""
+    from hcache.storage.reader import Request
+
+    by_slab = {}
+    for r in sorted(rows, key=lambda r: r.slot):
+        by_slab.setdefault((r.dir, r.slab), []).append(r)
+    size = dict.fromkeys(by_slab, min(first_bytes or max_bytes, max_bytes))
+    taken, out = set(), []
+    for r in sorted(rows, key=lambda r: (r.layer, r.idx)):
+        if id(r) in taken:
+            continue
+        members = by_slab[(r.dir, r.slab)]
+        p = members.index(r)
+        limit = max(1, size[(r.dir, r.slab)] // slot_bytes[r.slab])
+        j, last = p + 1, r.slot
+        while j < len(members):
+            c = members[j]
+            if id(c) in taken or c.layer >= r.layer + ahead or c.slot - last > max_gap or c.slot - r.slot >= limit:
+                break
+            last, j = c.slot, j + 1
+        taken.update(id(c) for c in members[p:j])
+        out.append(Request(r.dir, r.slab, r.slot, last - r.slot + 1, members[p:j], r.layer))
+        size[(r.dir, r.slab)] = min(2 * size[(r.dir, r.slab)], max_bytes)
+    return out
+
+
+def test_read_plan_equals_the_chunk_by_chunk_rule():
+    """The planner works on extents for speed; on random layouts (several directories and
+    kinds, extents of many turns, holes, chunks moved to other slots) it makes exactly the
+    requests the rule gives when applied chunk by chunk."""
+    import random
+    from collections import defaultdict
+
+    from hcache.storage.manifest import ChunkRow
+    from hcache.storage.reader import plan_requests
+
+    def shape(qs):
+        return [(q.dir, q.slab, q.first, q.count, q.min_layer, [(c.layer, c.idx) for c in q.chunks]) for q in qs]
+
+    rng = random.Random(7)
+    for _ in range(400):
+        n_dirs, n_layers = rng.randint(1, 4), rng.randint(1, 8)
+        rows, nxt, idx = [], defaultdict(int), [0] * n_layers
+        for _turn in range(rng.randint(1, 5)):
+            for layer in rng.sample(range(n_layers), n_layers):
+                for _ in range(rng.randint(0, 9)):
+                    d, kind = rng.randrange(n_dirs), rng.choice(["h", "kv"])
+                    rows.append(ChunkRow("o", layer, idx[layer], kind, d, f"{kind}.x", nxt[(d, kind)], 64, 0))
+                    idx[layer] += 1
+                    nxt[(d, kind)] += 1 + rng.choice([0, 0, 0, 1, 2, 3])
+                for k in nxt:
+                    nxt[k] += rng.choice([0, 0, 1, 5])
+        for _ in range(rng.randint(0, 4)):  # tails and reused slots: indices that fall with the slot
+            if len(rows) < 2:
+                break
+            i, j = rng.sample(range(len(rows)), 2)
+            a, b = rows[i], rows[j]
+            if (a.dir, a.kind) == (b.dir, b.kind):
+                rows[i], rows[j] = dataclasses.replace(a, slot=b.slot), dataclasses.replace(b, slot=a.slot)
+        rng.shuffle(rows)
+        sizes = {"h.x": rng.choice([1 << 20, 4096]), "kv.x": rng.choice([1 << 19, 8192])}
+        kw = {
+            "max_bytes": rng.choice([4 << 20, 8 << 20, 1 << 30]),
+            "first_bytes": rng.choice([0, 1 << 20, 2 << 20]),
+            "ahead": rng.choice([1, 2, 3, 1 << 30]),
+            "max_gap": rng.choice([0, 1, 2]),
+        }
+        assert shape(plan_requests(rows, sizes, **kw)) == shape(_plan_chunk_by_chunk(rows, sizes, **kw)), kw
 
 
 def test_read_ahead_covers_prefetch_bytes_past_the_consumer(dirs) -> None:
