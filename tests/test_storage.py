@@ -510,6 +510,25 @@ def test_read_buffers_are_reused_by_the_next_restore(dirs) -> None:
         assert first >= GEOM.num_layers and st.stats.read_buffers_allocated == first
 
 
+def test_one_buffer_pool_serves_layers_of_every_size(dirs) -> None:
+    """A free buffer large enough serves a smaller layer (H after KV, a shorter session): with
+    a pool per power-of-two size, a KV-only restore after an H-only one faulted in fresh
+    buffers for every layer. Over the budget, the least recently returned buffers go."""
+    with open_store(dirs[:1], prefetch_bytes=1, prefetch_layers=0) as st:
+        big = st.take_buffer((3 << 20,))  # a KV layer, say
+        st.give_buffer(big)
+        small = st.take_buffer((1 << 20, 1))  # an H layer a third the size: no fresh buffer
+        assert st.stats.read_buffers_allocated == 1 and small.data_ptr() == big.data_ptr()
+        st.give_buffer(small)
+        # the budget keeps two restores' read-ahead, here 2 * (0 + 2) of the largest buffer
+        more = [st.take_buffer((3 << 20,)) for _ in range(6)]
+        assert st.stats.read_buffers_allocated == 6
+        for t in more:
+            st.give_buffer(t)
+        kept = {t.data_ptr() for t in st._buffers}
+        assert kept == {t.data_ptr() for t in more[2:]}  # the first two returned went
+
+
 def test_storage_threads_copy_on_one_core(dirs) -> None:
     """Reader and writer threads run their torch copies on one core each; the caller keeps
     its own thread count (a per-thread setting)."""

@@ -39,7 +39,7 @@ from hcache.storage.layout import (
 )
 from hcache.storage.manifest import ChunkRow, Manifest, OwnerRow
 from hcache.storage.reader import OwnerReader, ReadPool, Want
-from hcache.storage.slab import ChunkBuffers, SlabFile, SlotAllocator, aligned_buffer
+from hcache.storage.slab import HUGE_PAGE, ChunkBuffers, SlabFile, SlotAllocator, aligned_buffer
 from hcache.storage.staging import Segment, StagedBatch, StagingRing
 from hcache.storage.throttle import TokenBucket
 
@@ -130,7 +130,7 @@ class ChunkStore:
         self.index: dict[str, dict[tuple[int, str], dict[int, ChunkRow]]] = {}
         self.seqs: dict[tuple[str, int, int, str], int] = {}
         self.errors: dict[str, Exception] = {}
-        self._buffers: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        self._buffers: list[torch.Tensor] = []  # free layer buffers, least recently returned first
         self._pooled_bytes = 0
         self.pinned = torch.device(device).type == "cuda" and torch.cuda.is_available()
         self.stats = StoreStats(read_bytes_by_dir=[0] * len(self.dirs))
@@ -329,35 +329,42 @@ class ChunkStore:
         return wrap
 
     def take_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A layer-sized read buffer, reused across restores (fresh memory costs page faults).
-        Buffers come in power-of-two size classes, so sessions of every length share a few."""
+        """A layer-sized read buffer, reused across restores (fresh memory costs page faults):
+        the smallest free one that is large enough, whatever it last held. One pool serves H
+        and KV layers of any length (with a pool per power-of-two size, a KV-only restore
+        after an H-only one found none of its size and faulted in 24 fresh 16 MB buffers:
+        4K tokens, multi-head model). New ones are rounded up to whole huge pages."""
         n = max(1, math.prod(shape))
-        size = 1 << max(16, (n - 1).bit_length())
         with self.lock:
-            free = self._buffers.get((size,))
-            flat = free.pop() if free else None
+            fits = [i for i, f in enumerate(self._buffers) if f.numel() >= n]
+            flat = self._buffers.pop(min(fits, key=lambda i: self._buffers[i].numel())) if fits else None
             if flat is not None:
                 self._pooled_bytes -= flat.nbytes
             else:
                 self.stats.read_buffers_allocated += 1
         if flat is None:  # pinned on CUDA: the restorer's host-to-device copies then run async
+            item = self.dtype.itemsize
+            size = -(-n * item // HUGE_PAGE) * HUGE_PAGE // item
             flat = (
                 torch.empty(size, dtype=self.dtype, pin_memory=True)
                 if self.pinned  # page-aligned too (cudaHostAlloc); the reader checks before reading in place
-                else torch.frombuffer(aligned_buffer(size * self.dtype.itemsize), dtype=self.dtype, count=size)
+                else torch.frombuffer(aligned_buffer(size * item), dtype=self.dtype, count=size)
             )
         return flat[:n].view(shape)
 
     def give_buffer(self, t: torch.Tensor) -> None:
-        """Keep what one restore's read-ahead holds (the layer window or `prefetch_bytes`, and
-        a little more) so the next restore allocates nothing; on CUDA a fresh pinned buffer
-        costs milliseconds and stalls the device."""
+        """Keep what two restores' read-ahead holds (the layer window or `prefetch_bytes`, and
+        a little more), so the next restore allocates nothing whichever kinds it reads; on
+        CUDA a fresh pinned buffer costs milliseconds and stalls the device. Over that, the
+        least recently returned go."""
         flat = t._base if t._base is not None else t
-        keep = max(2 * self.cfg.prefetch_bytes, (self.cfg.prefetch_layers + 2) * flat.nbytes)
         with self.lock:
-            if self._pooled_bytes + flat.nbytes <= keep:
-                self._buffers.setdefault((flat.numel(),), []).append(flat)
-                self._pooled_bytes += flat.nbytes
+            self._buffers.append(flat)
+            self._pooled_bytes += flat.nbytes
+            largest = max(f.nbytes for f in self._buffers)  # a small tail must not empty the pool
+            keep = 2 * max(self.cfg.prefetch_bytes, (self.cfg.prefetch_layers + 2) * largest)
+            while self._pooled_bytes > keep:
+                self._pooled_bytes -= self._buffers.pop(0).nbytes
 
     def dispatch(self, w: ChunkWrite) -> None:
         """Place a chunk: its home directory, or the next one with room; then queue its write."""
