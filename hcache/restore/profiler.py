@@ -36,7 +36,7 @@ RE_CONTEXTS = (256, 1024, 2048, 4096, 8192)
 RE_CONTEXTS_GPU = (*RE_CONTEXTS, 16384)
 IO_TOKENS = 4096
 H_TOKENS = (1024, 4096)
-PROFILE_VERSION = 8  # bumped when the profile gains a measurement or the read path changes: older files are re-measured
+PROFILE_VERSION = 9  # bumped when the profile gains a measurement or the read path changes: older files are re-measured
 # restores on this 2-core VM come within about +-10% of their predictions, and single
 # methods err less than mixes; a mix must win by more than that to be chosen. Measured in
 # four benchmark runs: mixes predicted to win by 5-9% ran at a median 0.91 of the best single
