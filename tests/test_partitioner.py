@@ -40,6 +40,7 @@ def random_profile(rng: random.Random) -> Profile:
         read_cpu_ms_per_mb=rng.choice([0.0, rng.uniform(0, 1)]),
         read_setup_ms=rng.choice([0.0, rng.uniform(0, 30)]),
         re_points={256: rng.uniform(0.1, 10), 4096: rng.uniform(10, 400)},
+        re_reading=rng.choice([{}, {1024: rng.uniform(1, 1.5), 4096: rng.uniform(1, 1.5)}]),
     )
 
 
@@ -202,3 +203,30 @@ def test_read_setup_is_paid_once_and_can_make_recompute_win() -> None:
     kv_free = simulate((Method.KV,) * 30, layer_costs(geom, Profile("gpu", **base), 1024))
     assert kv_only[2] == pytest.approx(kv_free[2] + 25.0) and kv_only[1] == pytest.approx(kv_free[1] + 25.0)
     assert simulate((Method.RECOMPUTE,) * 30, layer_costs(geom, costly, 1024))[2] == pytest.approx(30.0)
+
+
+def test_recompute_beside_reads_costs_what_the_profile_measured() -> None:
+    """A recompute layer costs `re_reading` times more in a plan that also reads (the readers
+    share its cores), never in an all-recompute plan; the planner then recomputes fewer layers.
+    Per layer at 1K tokens, as on the 2-core VM: H read 5.9 ms (200 MB/s), projected 3.2 ms,
+    recompute 14 ms alone and 1.3x that beside reads."""
+    geom = Geometry(30, 576, 576, 576, 1536, 2)
+    base = dict(name="cpu", read_gbps=geom.h_bytes(1024) / 5.9e-3 / 1e9, read_latency_ms=0.0,
+                h_ms_per_ktok=3.2 / 1.024, kv_ms_per_ktok=0.1, re_points={1024: 14.0, 4096: 56.0})  # fmt: skip
+    alone, beside = Profile(**base), Profile(**base, re_reading={1024: 1.3, 4096: 1.3})
+    assert beside.re_reading_factor(2048) == pytest.approx(1.3) and beside.re_reading_factor(100) == 1.3
+    re_only = (Method.RECOMPUTE,) * 30
+    assert simulate(re_only, layer_costs(geom, beside, 1024)) == simulate(re_only, layer_costs(geom, alone, 1024))
+    mix = (Method.RECOMPUTE,) * 4 + (Method.HIDDEN,) * 26
+    assert simulate(mix, layer_costs(geom, beside, 1024))[1] == pytest.approx(
+        simulate(mix, layer_costs(geom, alone, 1024))[1] + 4 * 14.0 * 0.3
+    )
+    a, b = partition(geom, alone, 1024).plan.n_recompute, partition(geom, beside, 1024).plan.n_recompute
+    assert 0 < b < a
+
+
+def test_reading_factor_is_interpolated_in_log_tokens() -> None:
+    prof = Profile("p", 1, 0, 1, 1, {1000: 1.0}, re_reading={1024: 1.4, 4096: 1.2})
+    assert prof.re_reading_factor(2048) == pytest.approx(1.3)
+    assert prof.re_reading_factor(64) == 1.4 and prof.re_reading_factor(65536) == 1.2
+    assert Profile("p", 1, 0, 1, 1, {1000: 1.0}).re_reading_factor(2048) == 1.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import tload
 
@@ -63,6 +64,28 @@ def test_profile_measures_what_reads_take_from_compute(tiny_folder, tmp_path, mo
     monkeypatch.setattr(StoreSource, "prepare", slow_prepare)
     slow = profiler.run(model, [tmp_path], show=False, re_contexts=(256,), reads_vs_compute=True)
     assert 50 <= slow.read_setup_ms - plain.read_setup_ms <= 120
+
+
+def test_profile_measures_recompute_beside_reads(tiny_folder, tmp_path, monkeypatch) -> None:
+    """On a CPU the profile measures how much slower a recompute prefix runs inside a restore
+    that reads the other layers; a prefix slowed there by 40 ms per restore is seen."""
+    import time
+
+    from hcache.storage.source import StoreSource
+
+    model = tload(tiny_folder("llama_gqa"))
+    if model.device.type != "cpu":
+        pytest.skip("measured on CPUs only")
+    plain = profiler._io(model, [tmp_path], 256, compute=(256,)).re_reading[256]
+    prepare = StoreSource.prepare
+
+    def slow_prepare(self, plan) -> None:
+        time.sleep(0.04)
+        prepare(self, plan)
+
+    monkeypatch.setattr(StoreSource, "prepare", slow_prepare)
+    slowed = profiler._io(model, [tmp_path], 256, compute=(256,)).re_reading[256]
+    assert plain >= 1.0 and slowed > plain + 0.5
 
 
 def test_plan_cli_json(capsys) -> None:

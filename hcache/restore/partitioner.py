@@ -22,6 +22,7 @@ class LayerCost:
     compute_ms: float
     first_io_ms: float = 0.0  # paid once, by the first layer that reads: later requests are already in flight
     setup_ms: float = 0.0  # paid once on both streams before anything starts, by a plan that reads
+    reading_factor: float = 1.0  # compute x this in a plan that reads (recompute beside the readers)
 
 
 @dataclass
@@ -64,7 +65,7 @@ def layer_costs(geom: Geometry, prof: Profile, n: int, cap_gbps: float | None = 
 
     h, kv = geom.h_bytes(n), geom.kv_bytes(n)
     return {
-        Method.RECOMPUTE: LayerCost(0.0, prof.re_ms(n)),
+        Method.RECOMPUTE: LayerCost(0.0, prof.re_ms(n), reading_factor=prof.re_reading_factor(n)),
         Method.HIDDEN: LayerCost(io(h), prof.h_ms(n) + tax(h), prof.read_latency_ms, prof.read_setup_ms),
         Method.KV: LayerCost(io(kv), prof.kv_ms(n) + tax(kv), prof.read_latency_ms, prof.read_setup_ms),
     }
@@ -74,17 +75,20 @@ def simulate(methods: list[Method] | tuple[Method, ...], costs: dict[Method, Lay
     """(io_ms, compute_ms, makespan_ms) of executing layers in index order on the two streams."""
     # the restorer plans and issues a plan's reads on the compute thread before anything else
     setup = max((costs[m].setup_ms for m in methods if m != Method.RECOMPUTE), default=0.0)
+    reads = any(m != Method.RECOMPUTE for m in methods)
     io_done = compute_done = compute_total = setup
     io_total = 0.0
     for m in methods:
         c = costs[m]
         if m == Method.RECOMPUTE:  # needs only token ids: starts as soon as compute is free
-            compute_done += c.compute_ms
-        else:
-            first = c.first_io_ms if not io_total else 0.0
-            io_done += first + c.io_ms
-            io_total += first
-            compute_done = max(compute_done, io_done) + c.compute_ms
+            ms = c.compute_ms * (c.reading_factor if reads else 1.0)
+            compute_done += ms
+            compute_total += ms
+            continue
+        first = c.first_io_ms if not io_total else 0.0
+        io_done += first + c.io_ms
+        io_total += first
+        compute_done = max(compute_done, io_done) + c.compute_ms
         io_total += c.io_ms
         compute_total += c.compute_ms
     return io_total, compute_total, max(compute_done, io_done)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -69,6 +70,18 @@ class Profile:
     # compute-side cost of a restore that reads at all (planning the reads, starting readers),
     # paid once before its first layer; with `read_cpu_ms_per_mb`, what reads take from compute
     read_setup_ms: float = 0.0
+    # context tokens -> a recompute layer's time beside a restore's readers over its time alone:
+    # on a 2-core CPU the readers' wake-ups and checksums land on the cores a layer's two
+    # threads run on, and both wait for the one interrupted (a 6-layer prefix ran 25-35%
+    # slower beside reads from 4 directories, though the readers' own CPU was a third of that)
+    re_reading: dict[int, float] = field(default_factory=dict)
+
+    def re_reading_factor(self, n: int) -> float:
+        """`re_reading` at n: linear in log n between the measured lengths, flat past them."""
+        if not self.re_reading or n < 1:
+            return 1.0
+        pts = sorted(self.re_reading.items())
+        return float(np.interp(math.log(n), [math.log(k) for k, _ in pts], [f for _, f in pts]))
 
     def h_ms(self, n: int) -> float:
         return self.h_ms_fixed + self.h_ms_per_ktok * n / 1000 if n else 0.0
@@ -100,6 +113,7 @@ class Profile:
     def load(cls, path: Path) -> Profile:
         d = json.loads(Path(path).read_text())
         d["re_points"] = {int(k): float(v) for k, v in d["re_points"].items()}
+        d["re_reading"] = {int(k): float(v) for k, v in d.get("re_reading", {}).items()}
         return cls(**d)
 
 

@@ -22,7 +22,7 @@ from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
 from hcache.restore.plan import Method, Plan
 from hcache.restore.profile import Profile
-from hcache.restore.restorer import restore
+from hcache.restore.restorer import recompute_prefix, restore
 from hcache.storage.layout import CHUNK_TOKENS, Kind
 from hcache.storage.reader import Want
 from hcache.storage.source import StoreSource
@@ -74,6 +74,7 @@ class IOResult:
     read_gbps: float  # the rate past the fixed part
     latency_ms: float  # a restore's fixed read cost, at least one chunk's latency
     cpu_ms_per_mb: float  # every thread's CPU per MB of restore-shaped reads
+    re_reading: dict[int, float] = field(default_factory=dict)  # tokens -> recompute slowdown beside reads
     h_points: dict[int, float] = field(default_factory=dict)  # tokens -> ms per layer, reads' CPU taken out
     kv_points: dict[int, float] = field(default_factory=dict)
 
@@ -159,7 +160,31 @@ def _io(model: DecoderModel, dirs: list[Path], tokens: int, compute: tuple[int, 
                         runs.append(rep.ms_by_method[m.value] / cfg.num_layers)
                 ms = statistics.median(runs)
                 points[n] = max(ms - res.cpu_ms_per_mb * n * width * elem / 1e6, ms / 2)
+            if model.device.type == "cpu" and n <= cfg.max_position:
+                res.re_reading[n] = _re_beside_reads(model, st, owner, cache)
         return res
+
+
+def _re_beside_reads(model: DecoderModel, st: ChunkStore, owner: str, cache: KVCache) -> float:
+    """A recompute prefix's time inside a restore that reads the other layers' H over its time
+    alone (same tokens, turns taken, medians); at least 1. The restore's recompute time takes
+    in its read setup too, which plans that read pay."""
+    L = model.cfg.num_layers
+    k = max(1, L // 5)
+    plan = Plan((Method.RECOMPUTE,) * k + (Method.HIDDEN,) * (L - k))
+    tokens, fp = st.owner_row(owner).tokens, model.fingerprint()
+    alone, beside = [], []
+    for i in range(4):  # the first warms both
+        cache.truncate(0)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            recompute_prefix(model, tokens, cache, k)
+        a = (time.perf_counter() - t0) * 1e3
+        _, rep = restore(model, plan, StoreSource(st, owner, fp), cache)
+        if i:
+            alone.append(a)
+            beside.append(rep.ms_by_method[Method.RECOMPUTE.value])
+    return max(1.0, statistics.median(beside) / statistics.median(alone))
 
 
 def _reads_cost_to_compute(model: DecoderModel, dirs: list[Path], prof: Profile, tokens: int) -> dict[float, float]:
@@ -254,6 +279,7 @@ def run(
         h_ms_fixed=h_fixed,
         kv_ms_fixed=kv_fixed,
         re_points=re_points,
+        re_reading=io.re_reading,
         per_dir_gbps=per_dir,
         read_cpu_ms_per_mb=io.cpu_ms_per_mb,
         mix_margin=CPU_MIX_MARGIN if dev.type == "cpu" else 0.0,
