@@ -10,7 +10,7 @@ import random
 import pytest
 
 from hcache.model.loader import DEFAULT_GEOMETRY
-from hcache.restore.partitioner import layer_costs, partition, simulate
+from hcache.restore.partitioner import layer_costs, lower_bound, partition, simulate
 from hcache.restore.plan import Method
 from hcache.restore.profile import Geometry, Profile
 
@@ -230,3 +230,19 @@ def test_reading_factor_is_interpolated_in_log_tokens() -> None:
     assert prof.re_reading_factor(2048) == pytest.approx(1.3)
     assert prof.re_reading_factor(64) == 1.4 and prof.re_reading_factor(65536) == 1.2
     assert Profile("p", 1, 0, 1, 1, {1000: 1.0}).re_reading_factor(2048) == 1.0
+
+
+def test_lower_bound_is_never_beaten_and_is_the_fractional_optimum() -> None:
+    """No plan beats `lower_bound` (brute force over random machines); on the paper's H + KV
+    case without fixed costs it is the fractional balance 2*L*h*p / (h + p), which bounds the
+    gain of any mix over KV by 1 + h/p and over H by (h + p) / 2h (when p > h)."""
+    rng = random.Random(3)
+    for _ in range(40):
+        geom = Geometry(6, rng.choice([64, 256]), rng.choice([16, 64, 256]), 64, 256, 2)
+        prof, n = random_profile(rng), rng.choice([1, 64, 1000, 8000])
+        assert lower_bound(geom, prof, n) <= brute_force(geom, prof, n) * (1 + 1e-9)
+    h, p = 8.0, 20.0
+    prof = _two_method_profile(h, 2 * h, p, c_tok=1e6)
+    assert lower_bound(MHA_7B, prof, 1000) == pytest.approx(2 * 32 * h * p / (h + p))
+    kv_only = simulate((Method.KV,) * 32, layer_costs(MHA_7B, prof, 1000))[2]
+    assert kv_only / lower_bound(MHA_7B, prof, 1000) == pytest.approx(1 + h / p, rel=0.01)

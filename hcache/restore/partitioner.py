@@ -9,6 +9,7 @@ the tests check that against brute force over every per-layer assignment."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hcache.restore.plan import Method, Plan
@@ -139,6 +140,41 @@ def partition(
     io_ms, compute_ms, makespan = best[2]
     nbytes = plan.bytes_to_read_geom(geom.hidden, geom.kv_dim, n_tokens, geom.elem_bytes)
     return PlannedRestore(plan, n_tokens, io_ms, compute_ms, makespan, nbytes)
+
+
+def lower_bound(geom: Geometry, prof: Profile, n_tokens: int, cap_gbps: float | None = None) -> float:
+    """A time no plan can beat under the cost model: layers shared out between the methods in
+    any fractions, each stream charged only its total, as if the two overlapped perfectly.
+    Ratios of single-method times to it bound what any mix can gain on this machine."""
+    costs = layer_costs(geom, prof, n_tokens, cap_gbps)
+    L = geom.num_layers
+    order = (Method.RECOMPUTE, Method.HIDDEN, Method.KV)
+
+    def streams(share: tuple[float, float, float]) -> tuple[float, float]:
+        reads = share[1] + share[2] > 0
+        io = sum(k * costs[m].io_ms for k, m in zip(share, order, strict=True))
+        compute = sum(k * costs[m].compute_ms for k, m in zip(share, order, strict=True))
+        if reads:
+            re = costs[Method.RECOMPUTE]
+            io += costs[Method.HIDDEN].first_io_ms
+            compute += costs[Method.HIDDEN].setup_ms + share[0] * re.compute_ms * (re.reading_factor - 1)
+        return io, compute
+
+    best = math.inf
+    for i in range(3):
+        vertex = tuple(float(L) if j == i else 0.0 for j in range(3))
+        best = min(best, max(streams(vertex)))  # type: ignore[arg-type]
+        for j in range(i + 1, 3):  # where the streams balance on the edge between two methods
+
+            def at(t: float, i: int = i, j: int = j) -> tuple[float, float, float]:
+                return tuple(t if k == i else L - t if k == j else 0.0 for k in range(3))  # type: ignore[return-value]
+
+            lo, hi = 1e-9, L - 1e-9  # both methods present: the reading costs are paid
+            d_lo, d_hi = (a - b for a, b in (streams(at(lo)), streams(at(hi))))
+            if d_lo * d_hi < 0:
+                t = lo + (hi - lo) * d_lo / (d_lo - d_hi)
+                best = min(best, max(streams(at(t))))
+    return best
 
 
 def partition_stored(
