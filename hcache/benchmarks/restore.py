@@ -163,7 +163,9 @@ def run(
     methods: tuple[str, ...] = METHODS,
     device: str = "cpu",
     random_weights: bool = False,
+    profiles_out: dict | None = None,
 ) -> list[Row]:
+    """`profiles_out` receives each profile the plans came from, keyed `model/dirs`."""
     rows: list[Row] = []
     for name in models:
         model = bench_model(name, dtype, device, random_weights)
@@ -174,6 +176,8 @@ def run(
             for d in pdirs:
                 d.mkdir(parents=True, exist_ok=True)
             prof = profiles[nd] = profiler.run(model, pdirs, show=False)
+            if profiles_out is not None:
+                profiles_out[f"{name}/{nd}"] = asdict(prof)
             log(
                 f"{name}, {nd} dirs: profile read {prof.read_gbps:.2f} GB/s ({prof.read_cpu_ms_per_mb:.2f} CPU ms/MB), "
                 f"H {prof.h_ms_fixed:.2f} + {prof.h_ms_per_ktok:.2f} ms/1K, RE {prof.re_points}, "
@@ -346,10 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     base = Path(tempfile.mkdtemp(prefix="hcache-restore-", dir=a.base))
     t0 = time.time()
+    profiles: dict = {}
     try:
         rows = run(a.models, a.tokens, a.dirs, a.caps, a.repeats, base, a.real_max, a.re_budget_s,
                    log=(lambda *x: None) if a.json else print, methods=tuple(a.methods), device=a.device,
-                   random_weights=a.random_weights)  # fmt: skip
+                   random_weights=a.random_weights, profiles_out=profiles)  # fmt: skip
     finally:
         shutil.rmtree(base, ignore_errors=True)
     out = {
@@ -358,5 +363,6 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": time.time() - t0,
         "torch_threads": torch.get_num_threads(),
         "device": profiler.device_name(torch.device(a.device)),
+        "profiles": profiles,
     }
     return report(out, a.out, a.json, lambda: (print_table(rows), print_targets(out["targets"])))
