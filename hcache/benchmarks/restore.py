@@ -170,6 +170,7 @@ def run(
     for name in models:
         model = bench_model(name, dtype, device, random_weights)
         geom = Geometry.of(model.cfg, torch.finfo(dtype).bits // 8)
+        fp = model.fingerprint()  # hashes samples of every weight: once per model, not per restore
         profiles: dict[int, Profile] = {}
         for nd in dir_counts:  # read rates and the reads' CPU depend on the directories read in parallel
             pdirs = [base / f"profile-{nd}-{i}" for i in range(nd)]
@@ -195,9 +196,9 @@ def run(
                     # every restore fills one cache, as the engine's block pool is filled: a
                     # fresh one per restore paid first-touch page faults inside the timing
                     cache = KVCache(model.cfg, dtype, device, capacity=n)
+                    prof = profiles[nd]
                     for cap in caps:
                         store.set_read_cap(cap)
-                        prof = profiles[nd]
                         plans = {m: method_plan(m, geom, prof, n, cap / 1000 if cap else None) for m in methods}
                         bound = lower_bound(geom, prof, n, cap / 1000 if cap else None)
                         timed = [m for m in methods if not (m == "RE" and plans[m][1] > re_budget_s * 1e3)]
@@ -211,7 +212,7 @@ def run(
                         for i in range(repeats + 1):  # the first round warms pools and caches: untimed
                             for method in order.sample(timed, len(timed)):
                                 plan, pred = plans[method]
-                                src = StoreSource(store, "s", model.fingerprint())
+                                src = StoreSource(store, "s", fp)
                                 if isinstance(plan, int):
                                     _, rep = restore_tokenwise(model, plan, src, cache, predicted_ms=pred)
                                 else:

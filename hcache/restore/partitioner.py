@@ -9,7 +9,7 @@ the tests check that against brute force over every per-layer assignment."""
 
 from __future__ import annotations
 
-import math
+import itertools
 from dataclasses import dataclass
 
 from hcache.restore.plan import Method, Plan
@@ -145,35 +145,30 @@ def partition(
 def lower_bound(geom: Geometry, prof: Profile, n_tokens: int, cap_gbps: float | None = None) -> float:
     """A time no plan can beat under the cost model: layers shared out between the methods in
     any fractions, each stream charged only its total, as if the two overlapped perfectly.
-    Ratios of single-method times to it bound what any mix can gain on this machine."""
+    Ratios of single-method times to it bound what any mix can gain on this machine. Each
+    stream is linear in the shares, so the floor lies at a single method or where the two
+    streams balance on the line between two methods."""
     costs = layer_costs(geom, prof, n_tokens, cap_gbps)
     L = geom.num_layers
-    order = (Method.RECOMPUTE, Method.HIDDEN, Method.KV)
+    re = costs[Method.RECOMPUTE]
 
-    def streams(share: tuple[float, float, float]) -> tuple[float, float]:
-        reads = share[1] + share[2] > 0
-        io = sum(k * costs[m].io_ms for k, m in zip(share, order, strict=True))
-        compute = sum(k * costs[m].compute_ms for k, m in zip(share, order, strict=True))
-        if reads:
-            re = costs[Method.RECOMPUTE]
+    def streams(share: dict[Method, float]) -> tuple[float, float]:
+        io = sum(k * costs[m].io_ms for m, k in share.items())
+        compute = sum(k * costs[m].compute_ms for m, k in share.items())
+        if any(k > 0 for m, k in share.items() if m != Method.RECOMPUTE):  # a plan that reads
             io += costs[Method.HIDDEN].first_io_ms
-            compute += costs[Method.HIDDEN].setup_ms + share[0] * re.compute_ms * (re.reading_factor - 1)
+            compute += costs[Method.HIDDEN].setup_ms + share.get(Method.RECOMPUTE, 0.0) * re.compute_ms * (
+                re.reading_factor - 1
+            )
         return io, compute
 
-    best = math.inf
-    for i in range(3):
-        vertex = tuple(float(L) if j == i else 0.0 for j in range(3))
-        best = min(best, max(streams(vertex)))  # type: ignore[arg-type]
-        for j in range(i + 1, 3):  # where the streams balance on the edge between two methods
-
-            def at(t: float, i: int = i, j: int = j) -> tuple[float, float, float]:
-                return tuple(t if k == i else L - t if k == j else 0.0 for k in range(3))  # type: ignore[return-value]
-
-            lo, hi = 1e-9, L - 1e-9  # both methods present: the reading costs are paid
-            d_lo, d_hi = (a - b for a, b in (streams(at(lo)), streams(at(hi))))
-            if d_lo * d_hi < 0:
-                t = lo + (hi - lo) * d_lo / (d_lo - d_hi)
-                best = min(best, max(streams(at(t))))
+    best = min(max(streams({m: float(L)})) for m in costs)
+    for a, b in itertools.combinations(costs, 2):
+        lo, hi = 1e-9, L - 1e-9  # both methods present: the reading costs are paid
+        d_lo, d_hi = (io - c for io, c in (streams({a: lo, b: L - lo}), streams({a: hi, b: L - hi})))
+        if d_lo * d_hi < 0:
+            t = lo + (hi - lo) * d_lo / (d_lo - d_hi)
+            best = min(best, max(streams({a: t, b: L - t})))
     return best
 
 

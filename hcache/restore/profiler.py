@@ -99,10 +99,10 @@ def _io(model: DecoderModel, dirs: list[Path], tokens: int, compute: tuple[int, 
     each length in `compute`, the per-layer work of real H-only and KV-only restores. Those
     run on data fresh from storage, as restores do (a re-run on one cache-hot tensor is far
     faster on a CPU), and the CPU their reads took is taken out: the plan charges it apart."""
-    cfg = model.cfg
+    cfg, fp = model.cfg, model.fingerprint()  # hashes samples of every weight: once, not per restore
     with _scratch_store(model, dirs) as st:
         both = [{Kind.HIDDEN, Kind.KV}] * cfg.num_layers
-        st.create_owner("profile", both, model.fingerprint())
+        st.create_owner("profile", both, fp)
         h = torch.randn(tokens, cfg.hidden_size).to(model.dtype)
         kv = torch.randn(tokens, 2, cfg.kv_dim).to(model.dtype)
         st.save_rows("profile", 0, dict.fromkeys(range(cfg.num_layers), h), dict.fromkeys(range(cfg.num_layers), kv))
@@ -144,7 +144,7 @@ def _io(model: DecoderModel, dirs: list[Path], tokens: int, compute: tuple[int, 
         for n in compute:
             owner = "profile" if n == tokens else f"profile-{n}"  # the read owner serves its own length
             if n != tokens:
-                st.create_owner(owner, both, model.fingerprint())
+                st.create_owner(owner, both, fp)
                 layers = range(cfg.num_layers)
                 st.save_rows(owner, 0, dict.fromkeys(layers, h[:n]), dict.fromkeys(layers, kv[:n]))
                 st.mark_durable(owner, [0] * n)
@@ -154,25 +154,25 @@ def _io(model: DecoderModel, dirs: list[Path], tokens: int, compute: tuple[int, 
             ):
                 runs = []
                 for i in range(4):  # the first warms buffers
-                    src = StoreSource(st, owner, model.fingerprint())
+                    src = StoreSource(st, owner, fp)
                     _, rep = restore(model, Plan.uniform(cfg.num_layers, m), src, cache)
                     if i:
                         runs.append(rep.ms_by_method[m.value] / cfg.num_layers)
                 ms = statistics.median(runs)
                 points[n] = max(ms - res.cpu_ms_per_mb * n * width * elem / 1e6, ms / 2)
             if model.device.type == "cpu" and n <= cfg.max_position:
-                res.re_reading[n] = _re_beside_reads(model, st, owner, cache)
+                res.re_reading[n] = _re_beside_reads(model, st, owner, fp, cache)
         return res
 
 
-def _re_beside_reads(model: DecoderModel, st: ChunkStore, owner: str, cache: KVCache) -> float:
+def _re_beside_reads(model: DecoderModel, st: ChunkStore, owner: str, fp: str, cache: KVCache) -> float:
     """A recompute prefix's time inside a restore that reads the other layers' H over its time
     alone (same tokens, turns taken, medians); at least 1. The restore's recompute time takes
     in its read setup too, which plans that read pay."""
     L = model.cfg.num_layers
     k = max(1, L // 5)
     plan = Plan((Method.RECOMPUTE,) * k + (Method.HIDDEN,) * (L - k))
-    tokens, fp = st.owner_row(owner).tokens, model.fingerprint()
+    tokens = st.owner_row(owner).tokens
     alone, beside = [], []
     for i in range(4):  # the first warms both
         cache.truncate(0)
@@ -193,10 +193,10 @@ def _reads_cost_to_compute(model: DecoderModel, dirs: list[Path], prof: Profile,
     take alone. On a GPU that thread is bound by kernel launches, and planning the reads and the
     readers' Python (checksums, placement, the GIL) take from it (measured on an H100: a 7-layer
     prefix ran up to 5x slower while the other layers' KV was read)."""
-    cfg, L = model.cfg, model.cfg.num_layers
+    cfg, L, fp = model.cfg, model.cfg.num_layers, model.fingerprint()
     points: dict[float, float] = {}
     with _scratch_store(model, dirs) as st:
-        st.create_owner("mix", [{Kind.KV}] * L, model.fingerprint())
+        st.create_owner("mix", [{Kind.KV}] * L, fp)
         kv = torch.randn(tokens, 2, cfg.kv_dim).to(model.dtype)
         st.save_rows("mix", 0, {}, dict.fromkeys(range(L), kv))
         st.mark_durable("mix", [0] * tokens)
@@ -205,7 +205,7 @@ def _reads_cost_to_compute(model: DecoderModel, dirs: list[Path], prof: Profile,
             alone = (L - n_kv) * prof.re_ms(tokens) + n_kv * prof.kv_ms(tokens)
             runs = []
             for i in range(4):  # the first warms buffers
-                _, rep = restore(model, Plan.split(L, L - n_kv, 0), StoreSource(st, "mix", model.fingerprint()), cache)
+                _, rep = restore(model, Plan.split(L, L - n_kv, 0), StoreSource(st, "mix", fp), cache)
                 if i:
                     runs.append(sum(rep.ms_by_method.values()) - alone)
             points[n_kv * kv.nbytes / 1e6] = statistics.median(runs)

@@ -336,8 +336,9 @@ class ChunkStore:
         4K tokens, multi-head model). New ones are rounded up to whole huge pages."""
         n = max(1, math.prod(shape))
         with self.lock:
-            fits = [i for i, f in enumerate(self._buffers) if f.numel() >= n]
-            flat = self._buffers.pop(min(fits, key=lambda i: self._buffers[i].numel())) if fits else None
+            sizes = [f.numel() for f in self._buffers]
+            best = min((i for i, k in enumerate(sizes) if k >= n), key=sizes.__getitem__, default=None)
+            flat = self._buffers.pop(best) if best is not None else None
             if flat is not None:
                 self._pooled_bytes -= flat.nbytes
             else:
