@@ -61,6 +61,7 @@ bench: bench-peers
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check hcache tests bench
 	$(VENV)/bin/ruff format --check hcache tests bench
+	$(VENV)/bin/lint-imports
 
 test: lint
 	$(PY) -m pytest -q $(ARGS)

@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 
 from hcache.benchmarks.restore import bench_model, save_state
+from hcache.config import StorageConfig
 from hcache.restore.plan import Method, Plan
 from hcache.restore.restorer import restore
-from hcache.storage.source import StoreSource
-from hcache.storage.store import ChunkStore, StorageConfig
+from hcache.restore.sources import StoreSource
+from hcache.storage.store import ChunkStore
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -147,6 +147,22 @@ def hcache_home() -> Path:
 
 
 @dataclass
+class StorageConfig:
+    dirs: list[str]
+    quota_bytes: int = 0  # per directory; 0 means the filesystem's free space is the limit
+    staging_bytes: int = 64 << 20
+    direct_io: bool = True
+    max_request_bytes: int = 32 << 20  # this VM: 8 MB requests reach ~0.75 of the rate 32 MB ones do
+    first_request_bytes: int = 2 << 20  # an owner's first request per slab; later ones double up to the max
+    request_layers: int = 3  # a request takes chunks of at most this many layers: lumps stay small
+    read_depth: int = 8  # requests in flight per directory (read_depth + dirs bounce buffers serve tails)
+    prefetch_layers: int = 12
+    prefetch_bytes: int = 128 << 20  # ... or more layers while those hold less than this
+    fsync_group_bytes: int = 16 << 20
+    read_cap_mbps: float = 0.0  # 0: no cap; otherwise a token bucket on restore reads
+
+
+@dataclass
 class EngineConfig:
     kv_budget_bytes: int = 2 << 30  # resident KV of all sessions (the block pool)
     max_batch: int = 32  # sequences per decode step

@@ -9,7 +9,7 @@ import torch
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
-from hcache.config import EngineConfig
+from hcache.config import EngineConfig, StorageConfig
 from hcache.engine.engine import Engine
 from hcache.engine.generate import generate
 from hcache.engine.sampler import SamplingParams
@@ -17,7 +17,7 @@ from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
 from hcache.model.tokenizer import Tokenizer
 from hcache.restore.profile import Geometry, Profile
-from hcache.storage.store import ChunkStore, StorageConfig
+from hcache.storage.store import ChunkStore
 
 
 def word_tokenizer(vocab: int) -> Tokenizer:

@@ -62,7 +62,8 @@ def test_fsck_command(tmp_path, capsys) -> None:
     import torch
     from storage_helpers import GEOM, KINDS, save
 
-    from hcache.storage.store import ChunkStore, StorageConfig
+    from hcache.config import StorageConfig
+    from hcache.storage.store import ChunkStore
 
     with ChunkStore(StorageConfig([str(tmp_path)]), GEOM, torch.float32) as st:
         st.create_owner("s", KINDS, "fp")

@@ -50,7 +50,7 @@ def test_profile_measures_what_reads_take_from_compute(tiny_folder, tmp_path, mo
     slowed by 80 ms here, it is found as a fixed setup cost, not spread per MB."""
     import time
 
-    from hcache.storage.source import StoreSource
+    from hcache.restore.sources import StoreSource
 
     model = tload(tiny_folder("llama_gqa"))
     plain = profiler.run(model, [tmp_path], show=False, re_contexts=(256,), reads_vs_compute=True)
@@ -71,7 +71,7 @@ def test_profile_measures_recompute_beside_reads(tiny_folder, tmp_path, monkeypa
     that reads the other layers; a prefix slowed there by 40 ms per restore is seen."""
     import time
 
-    from hcache.storage.source import StoreSource
+    from hcache.restore.sources import StoreSource
 
     model = tload(tiny_folder("llama_gqa"))
     if model.device.type != "cpu":

@@ -162,7 +162,7 @@ def test_projection_lands_in_the_cache_rows(model: DecoderModel) -> None:
     `kv_from_hidden`, bit for bit); a paged cache whose blocks are not one run takes them
     through `write` instead."""
     from hcache.engine.block_pool import BlockPool, PagedCache
-    from hcache.kernels.projection import Projector
+    from hcache.restore.projection import Projector
 
     state, _ = chat_like(model)
     n, cfg = len(state.tokens), model.cfg

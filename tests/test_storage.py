@@ -13,11 +13,12 @@ import pytest
 import torch
 from storage_helpers import GEOM, KINDS, check_all, expected, save
 
+from hcache.config import StorageConfig
 from hcache.storage.errors import ChunkError, StorageError, StorageFull, StoreLocked, UnknownOwner
 from hcache.storage.fsck import fsck
 from hcache.storage.layout import CHUNK_TOKENS, Kind, home_dir
 from hcache.storage.slab import aligned_buffer
-from hcache.storage.store import MANIFEST, ChunkStore, StorageConfig
+from hcache.storage.store import MANIFEST, ChunkStore
 
 
 def open_store(dirs, **kw) -> ChunkStore:

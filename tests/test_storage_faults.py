@@ -15,14 +15,15 @@ import torch
 from conftest import tload
 from storage_helpers import GEOM, check_all
 
+from hcache.config import StorageConfig
 from hcache.engine.generate import ChatSession
 from hcache.engine.sampler import SamplingParams
 from hcache.restore.plan import Method, Plan
+from hcache.restore.recorder import StoreRecorder
+from hcache.restore.sources import StoreSource
 from hcache.storage.fsck import fsck
 from hcache.storage.layout import Kind
-from hcache.storage.recorder import StoreRecorder
-from hcache.storage.source import StoreSource
-from hcache.storage.store import ChunkStore, StorageConfig
+from hcache.storage.store import ChunkStore
 
 HERE = Path(__file__).parent
 

@@ -8,7 +8,8 @@ import sys
 import torch
 from storage_helpers import GEOM, KINDS, save
 
-from hcache.storage.store import ChunkStore, StorageConfig
+from hcache.config import StorageConfig
+from hcache.storage.store import ChunkStore
 
 if __name__ == "__main__":
     dirs = sys.argv[1:]

@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 
 from hcache.benchmarks import report
-from hcache.config import EngineConfig
+from hcache.config import EngineConfig, StorageConfig
 from hcache.engine.engine import Engine
 from hcache.engine.sampler import SamplingParams
 from hcache.model.loader import load
 from hcache.restore import profiler
-from hcache.storage.store import ChunkStore, StorageConfig
+from hcache.storage.store import ChunkStore
 
 
 def _turn(engine: Engine, sid: str, ids: list[int], max_new: int = 1) -> dict:

@@ -28,13 +28,13 @@ from typing import Any
 import torch
 
 from hcache.benchmarks import report
-from hcache.config import EngineConfig
+from hcache.config import EngineConfig, StorageConfig
 from hcache.engine.engine import Engine
 from hcache.engine.sampler import SamplingParams
 from hcache.model.loader import default_model_path, load
 from hcache.restore import profiler
 from hcache.restore.plan import Method
-from hcache.storage.store import ChunkStore, StorageConfig
+from hcache.storage.store import ChunkStore
 
 TURN = 32
 

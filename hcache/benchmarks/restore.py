@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from hcache.benchmarks import report
-from hcache.config import ModelConfig
+from hcache.config import ModelConfig, StorageConfig
 from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
 from hcache.model.llama import Llama
@@ -33,9 +33,9 @@ from hcache.restore.partitioner import Geometry, layer_costs, lower_bound, parti
 from hcache.restore.plan import Method, Plan
 from hcache.restore.profile import Profile
 from hcache.restore.restorer import restore, restore_tokenwise
+from hcache.restore.sources import StoreSource
 from hcache.storage.layout import Kind
-from hcache.storage.source import StoreSource
-from hcache.storage.store import ChunkStore, StorageConfig
+from hcache.storage.store import ChunkStore
 
 METHODS = ("RE", "KV", "H", "auto", "tokenwise")
 BOTH = {Kind.HIDDEN, Kind.KV}

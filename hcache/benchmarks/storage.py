@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from hcache.benchmarks import report
-from hcache.config import ModelConfig
+from hcache.config import ModelConfig, StorageConfig
 from hcache.storage.layout import Kind
 from hcache.storage.slab import aligned_buffer
-from hcache.storage.store import ChunkStore, StorageConfig
+from hcache.storage.store import ChunkStore
 
 RAW_FILE_BYTES = 1 << 30
 

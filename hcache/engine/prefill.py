@@ -19,9 +19,9 @@ import torch
 
 from hcache.engine.block_pool import PagedCache
 from hcache.engine.saver import Saver
-from hcache.kernels.projection import Projector
 from hcache.model.base import DecoderModel
 from hcache.restore.plan import Method, Plan
+from hcache.restore.projection import Projector
 from hcache.restore.restorer import to_device
 from hcache.restore.state import StateSource, StateUnavailable
 

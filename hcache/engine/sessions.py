@@ -14,9 +14,9 @@ from hcache.model.base import DecoderModel
 from hcache.restore.partitioner import PlannedRestore, partition, partition_stored, storage_kinds
 from hcache.restore.plan import Method, Plan
 from hcache.restore.profile import Geometry, Profile
+from hcache.restore.sources import SharedSource, StoreSource
 from hcache.restore.state import StateSource
 from hcache.storage.layout import Kind, Stored, encode_layer_kinds
-from hcache.storage.source import StoreSource
 from hcache.storage.store import ChunkStore
 
 
@@ -35,49 +35,6 @@ def layer_kinds_for(policy: str, model: DecoderModel, profile: Profile, plan_tok
     geom = Geometry.of(model.cfg, torch.finfo(model.dtype).bits // 8)
     plan = partition(geom, profile, plan_tokens).plan
     return [frozenset({k}) if k else frozenset() for k in storage_kinds(plan)]
-
-
-class SharedSource(StateSource):
-    """A session on a shared context: tokens before `base` come from the context's chunks,
-    the rest from the session's own (which start at index 0 at token `base`)."""
-
-    def __init__(self, parent: StoreSource, own: StoreSource | None, base: int):
-        self.parent, self.own, self.base = parent, own, base
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.parent.tokens + (self.own.tokens if self.own else [])
-
-    def _parts(self) -> list[StoreSource]:
-        return [self.parent] + ([self.own] if self.own else [])
-
-    def prepare(self, plan: Plan) -> None:
-        for s in self._parts():
-            s.prepare(plan)
-
-    def ready(self, layer: int) -> bool:
-        return all(s.ready(layer) for s in self._parts())
-
-    def wait(self, layer: int, timeout: float) -> bool:
-        return all(s.wait(layer, timeout) for s in self._parts())
-
-    def hidden(self, layer: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-        parts = [s.hidden(layer) for s in self._parts()]
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-    def kv(self, layer: int, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        parts = [s.kv(layer) for s in self._parts()]
-        if len(parts) == 1:
-            return parts[0]
-        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-
-    def release(self, layer: int) -> None:
-        for s in self._parts():
-            s.release(layer)
-
-    @property
-    def bytes_read(self) -> int:
-        return sum(s.bytes_read for s in self._parts())
 
 
 class Registry:

@@ -18,15 +18,16 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
+from hcache.config import StorageConfig
 from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
 from hcache.restore.plan import Method, Plan
 from hcache.restore.profile import Profile
 from hcache.restore.restorer import recompute_prefix, restore
+from hcache.restore.sources import StoreSource
 from hcache.storage.layout import CHUNK_TOKENS, Kind
 from hcache.storage.reader import Want
-from hcache.storage.source import StoreSource
-from hcache.storage.store import ChunkStore, StorageConfig
+from hcache.storage.store import ChunkStore
 
 SCRATCH = ".hcache-profile"
 # up to 8K: fitted to 4K, the quadratic part under-predicted 16K by 20% (472 against 597 ms

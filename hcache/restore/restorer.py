@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hcache.kernels.projection import Projector
 from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
 from hcache.restore.plan import Method, Plan
+from hcache.restore.projection import Projector
 from hcache.restore.state import StateSource, StateUnavailable
 
 

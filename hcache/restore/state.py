@@ -17,7 +17,9 @@ from hcache.restore.plan import Plan
 class StateUnavailable(Exception):
     """A layer's stored state cannot be used (missing or corrupt): recompute it from tokens instead."""
 
-    layer: int
+    def __init__(self, layer: int, reason: str):
+        super().__init__(reason)
+        self.layer = layer
 
 
 class StateSource(ABC):

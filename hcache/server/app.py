@@ -16,19 +16,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from hcache.config import Config
+from hcache.config import Config, StorageConfig
 from hcache.engine.engine import Engine
 from hcache.engine.telemetry import Telemetry
-from hcache.kernels.projection import warm_up
 from hcache.model.loader import LoadedModel, load
 from hcache.restore import profiler
 from hcache.restore.profile import Profile
+from hcache.restore.projection import warm_up
 from hcache.server.auth import AuthInterceptor, load_keys
 from hcache.server.http import SidePort
 from hcache.server.interceptors import CountingInterceptor, ParsingInterceptor
 from hcache.server.metrics import Metrics
 from hcache.server.servicer import Servicer
-from hcache.storage.store import ChunkStore, StorageConfig
+from hcache.storage.store import ChunkStore
 from hcache.v1 import hcache_pb2 as pb
 from hcache.v1 import hcache_pb2_grpc as pb_grpc
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from hcache.restore.state import StateUnavailable
-
 
 class StorageError(Exception):
     pass
 
 
-class ChunkError(StorageError, StateUnavailable):
+class ChunkError(StorageError):
     """A chunk is missing or fails its checksum. The restorer recomputes the owner's layers from tokens."""
 
     def __init__(self, owner: str, layer: int, index: int, reason: str):

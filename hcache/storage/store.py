@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hcache.config import ModelConfig
+from hcache.config import ModelConfig, StorageConfig
 from hcache.storage.errors import ChunkError, FingerprintMismatch, StorageError, StorageFull, StoreLocked, UnknownOwner
 from hcache.storage.flusher import ChunkBuf, ChunkWrite, DirWriter, FlushTail, Forget, Packer
 from hcache.storage.layout import (
@@ -46,22 +46,6 @@ from hcache.storage.throttle import TokenBucket
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.sqlite"
 LOCK = "hcache.lock"
-
-
-@dataclass
-class StorageConfig:
-    dirs: list[str]
-    quota_bytes: int = 0  # per directory; 0 means the filesystem's free space is the limit
-    staging_bytes: int = 64 << 20
-    direct_io: bool = True
-    max_request_bytes: int = 32 << 20  # this VM: 8 MB requests reach ~0.75 of the rate 32 MB ones do
-    first_request_bytes: int = 2 << 20  # an owner's first request per slab; later ones double up to the max
-    request_layers: int = 3  # a request takes chunks of at most this many layers: lumps stay small
-    read_depth: int = 8  # requests in flight per directory (read_depth + dirs bounce buffers serve tails)
-    prefetch_layers: int = 12
-    prefetch_bytes: int = 128 << 20  # ... or more layers while those hold less than this
-    fsync_group_bytes: int = 16 << 20
-    read_cap_mbps: float = 0.0  # 0: no cap; otherwise a token bucket on restore reads
 
 
 @dataclass

@@ -1,15 +1,17 @@
 """The chunk store as a restore source: the plan's H and KV layers (or, token-wise,
 each layer's H head and KV tail) stream in through one prefetching reader while the
-restorer works layer by layer."""
+executor works layer by layer. A session on a shared context reads the context's
+chunks for the tokens before its own. These adapters sit above storage: a bad chunk
+(`ChunkError`) becomes `StateUnavailable`, which the executor recomputes."""
 
 from __future__ import annotations
 
 import torch
 
 from hcache.restore.plan import Method, Plan
-from hcache.restore.state import StateSource
+from hcache.restore.state import StateSource, StateUnavailable
 from hcache.storage.errors import ChunkError
-from hcache.storage.layout import Kind
+from hcache.storage.layout import CHUNK_TOKENS, Kind
 from hcache.storage.reader import OwnerReader, Want
 from hcache.storage.store import ChunkStore
 
@@ -31,8 +33,10 @@ class StoreSource(StateSource):
         return self.row.tokens
 
     def _start(self, wants: list[Want]) -> None:
+        """Read `wants` from the chunks that hold them (a range may start inside a chunk)."""
         self._ranges = {(w.layer, w.kind): (w.lo, w.hi) for w in wants}
-        self.reader = self.store.reader(self.owner, wants=wants)
+        whole = [Want(w.layer, w.kind, w.lo - w.lo % CHUNK_TOKENS, w.hi) for w in wants]
+        self.reader = self.store.reader(self.owner, wants=whole)
 
     def prepare(self, plan: Plan) -> None:
         """Fetch what the plan reads where the layer stores it; the rest fails over to recompute."""
@@ -59,11 +63,14 @@ class StoreSource(StateSource):
     def _get(self, layer: int, kind: Kind, lo: int, hi: int | None) -> torch.Tensor:
         hi = self.row.num_tokens if hi is None else hi
         if kind not in self.stored[layer]:
-            raise ChunkError(self.owner, layer, lo // 64, f"layer does not store {kind.value}")
+            raise StateUnavailable(layer, f"owner {self.owner} layer {layer} does not store {kind.value}")
         if self.reader is None or self._ranges.get((layer, kind)) != (lo, hi):
             self._start([Want(layer, kind, lo, hi)])  # not prepared: fetch it now
         assert self.reader is not None
-        return self.reader.get(layer, kind)
+        try:
+            return self.reader.get(layer, kind)[lo % CHUNK_TOKENS :]
+        except ChunkError as e:
+            raise StateUnavailable(layer, str(e)) from e
 
     def hidden(self, layer: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         return self._get(layer, Kind.HIDDEN, lo, hi)
@@ -91,3 +98,63 @@ class StoreSource(StateSource):
     @property
     def bytes_read(self) -> int:
         return self.reader.bytes_read if self.reader is not None else 0
+
+
+class SharedSource(StateSource):
+    """A session on a shared context: tokens before `base` come from the context's chunks,
+    the rest from the session's own (which start at index 0 at token `base`)."""
+
+    def __init__(self, parent: StoreSource, own: StoreSource | None, base: int):
+        self.parent, self.own, self.base = parent, own, base
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.parent.tokens[: self.base] + (self.own.tokens if self.own else [])
+
+    def _parts(self) -> list[StoreSource]:
+        return [self.parent] + ([self.own] if self.own else [])
+
+    def prepare(self, plan: Plan) -> None:
+        for s in self._parts():
+            s.prepare(plan)
+
+    def prepare_split(self, split: int) -> None:
+        self.parent.prepare_split(min(split, self.base))
+        if self.own is not None:
+            self.own.prepare_split(max(0, split - self.base))
+
+    def ready(self, layer: int) -> bool:
+        return all(s.ready(layer) for s in self._parts())
+
+    def wait(self, layer: int, timeout: float) -> bool:
+        return all(s.wait(layer, timeout) for s in self._parts())
+
+    def _pieces(self, lo: int, hi: int | None) -> list[tuple[StoreSource, int, int]]:
+        """(source, lo, hi) in that source's own token indices, covering `lo:hi`."""
+        hi = len(self.tokens) if hi is None else hi
+        out = []
+        if lo < self.base:
+            out.append((self.parent, lo, min(hi, self.base)))
+        if hi > self.base:
+            if self.own is None:
+                raise ValueError(f"tokens {lo}:{hi} reach past the context's {self.base}, and there are no own ones")
+            out.append((self.own, max(lo, self.base) - self.base, hi - self.base))
+        return out
+
+    def hidden(self, layer: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        parts = [s.hidden(layer, a, b) for s, a, b in self._pieces(lo, hi)]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def kv(self, layer: int, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [s.kv(layer, a, b) for s, a, b in self._pieces(lo, hi)]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    def release(self, layer: int) -> None:
+        for s in self._parts():
+            s.release(layer)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(s.bytes_read for s in self._parts())
