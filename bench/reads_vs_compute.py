@@ -20,8 +20,8 @@ import torch
 
 from hcache.benchmarks.restore import bench_model, save_state
 from hcache.config import StorageConfig
+from hcache.restore.executor import restore
 from hcache.restore.plan import Method, Plan
-from hcache.restore.restorer import restore
 from hcache.restore.sources import StoreSource
 from hcache.storage.store import ChunkStore
 

@@ -12,8 +12,8 @@ from hcache.engine.generate import generate
 from hcache.engine.sampler import SamplingParams
 from hcache.model import KVCache
 from hcache.model.base import DecoderModel
+from hcache.restore.executor import moved_by_buffer, restore
 from hcache.restore.plan import Method, Plan
-from hcache.restore.restorer import moved_by_buffer, restore
 from hcache.restore.state import MemoryState
 
 MODELS = [*TINY, "default"]
@@ -122,7 +122,7 @@ def test_restore_rejects_wrong_plan_length(default_model) -> None:
 
 @pytest.mark.parametrize("split", [0, 64, 100])
 def test_tokenwise_split_restores_exactly(model: DecoderModel, split: int) -> None:
-    from hcache.restore.restorer import restore_tokenwise
+    from hcache.restore.executor import restore_tokenwise
 
     state, _ = chat_like(model)
     split = min(split, len(state.tokens))

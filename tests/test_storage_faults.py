@@ -89,7 +89,7 @@ def _session_tokens(model, store, owner: str, turns: int = 3) -> list[int]:
 def test_store_restore_exact_with_corrupt_chunk_fallback(tiny_llama, tmp_path, corrupt: bool) -> None:
     from hcache.engine.generate import generate
     from hcache.model import KVCache
-    from hcache.restore.restorer import restore
+    from hcache.restore.executor import restore
     from hcache.restore.state import MemoryState
 
     model, L = tiny_llama, tiny_llama.cfg.num_layers

@@ -29,10 +29,10 @@ from hcache.model.base import DecoderModel
 from hcache.model.llama import Llama
 from hcache.model.loader import DEFAULT_GEOMETRY, load
 from hcache.restore import profiler
+from hcache.restore.executor import restore, restore_tokenwise
 from hcache.restore.partitioner import Geometry, layer_costs, lower_bound, partition, partition_tokenwise, simulate
 from hcache.restore.plan import Method, Plan
 from hcache.restore.profile import Profile
-from hcache.restore.restorer import restore, restore_tokenwise
 from hcache.restore.sources import StoreSource
 from hcache.storage.layout import Kind
 from hcache.storage.store import ChunkStore

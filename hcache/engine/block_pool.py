@@ -1,7 +1,7 @@
 """Resident KV memory: one pool of 64-token blocks per layer, shared by every
 session, and a per-sequence block table. `PagedCache` is one sequence's view
 of the pool with the same contract as the contiguous `KVCache` (begin / attend /
-commit / write / layer_kv / truncate), so the model and the restorer run on it
+commit / write / layer_kv / truncate: model/cache.py), so the model and the restore executor run on it
 unchanged. Blocks are handed out lowest-first and a sequence's blocks are taken
 as one run where possible: a contiguous table is read as a view, not gathered."""
 
@@ -105,7 +105,9 @@ class PagedCache:
             b = torch.tensor(self.blocks, dtype=torch.long, device=self.pool.device)
             self._rows = (b[:, None] * BLOCK_TOKENS + torch.arange(BLOCK_TOKENS, device=b.device)).reshape(-1)
 
-    def begin(self, n: int) -> None:
+    def begin(self, n: int, start: int | None = None) -> None:
+        if start is not None:
+            self.length = start
         self.reserve(n)
         self._pending = n
 
@@ -179,7 +181,9 @@ class BatchCache:
     def __init__(self, caches: list[PagedCache], counts: list[int]):
         self.caches, self.counts = caches, counts
 
-    def begin(self, n: int) -> None:
+    def begin(self, n: int, start: int | None = None) -> None:
+        if start is not None:
+            raise ValueError("a batch's sequences start after their own committed tokens")
         if n != sum(self.counts):
             raise ValueError(f"{n} rows for {sum(self.counts)} tokens")
         for c, t in zip(self.caches, self.counts, strict=True):

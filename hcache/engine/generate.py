@@ -12,8 +12,8 @@ from hcache.engine.sampler import Sampler, SamplingParams
 from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
 from hcache.model.tokenizer import Tokenizer
+from hcache.restore.executor import RestoreReport, restore
 from hcache.restore.plan import Plan
-from hcache.restore.restorer import RestoreReport, restore
 from hcache.restore.state import MemoryState, Recorder, StateSource
 
 

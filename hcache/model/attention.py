@@ -1,7 +1,7 @@
 """Attention over a KV cache. The model hands each layer's post-RoPE q, k, v to
 `cache.attend`; the cache stores k, v and runs attention over everything it holds.
 This single-sequence contiguous cache serves the demo and the restore paths; the
-batched engine's paged cache implements the same `attend` contract."""
+batched engine's paged cache implements the same contract (model/cache.py)."""
 
 from __future__ import annotations
 
@@ -42,8 +42,10 @@ class KVCache:
                 new[: self.length] = old[: self.length]
                 store[i] = new
 
-    def begin(self, n: int) -> None:
-        """Start a forward of `n` new tokens."""
+    def begin(self, n: int, start: int | None = None) -> None:
+        """Start a forward of `n` tokens at `start` (default: after the committed ones)."""
+        if start is not None:
+            self.length = start
         self.reserve(n)
         self._pending = n
 
@@ -56,7 +58,7 @@ class KVCache:
         self.k[layer][s : s + k.shape[0]] = k
         self.v[layer][s : s + v.shape[0]] = v
 
-    def dest(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def dest(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Layer `layer`'s K and V rows for positions `start..start+n`, to be written in place."""
         if start + n > self.capacity:  # a short view would be resized by out= kernels, not filled
             raise ValueError(f"rows {start}..{start + n} past the cache's capacity {self.capacity}")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hcache.config import ModelConfig
-from hcache.model.attention import KVCache
+from hcache.model.cache import Cache
 
 # where a layer's K and V `[T, kv_heads, head_dim]` go (a KV cache's rows), or None: new tensors
 KVOut = tuple[torch.Tensor, torch.Tensor] | None
@@ -23,7 +23,7 @@ KVOut = tuple[torch.Tensor, torch.Tensor] | None
 
 class DecoderLayer(nn.Module, ABC):
     @abstractmethod
-    def forward(self, h: torch.Tensor, pos: Any, cache: KVCache, index: int) -> torch.Tensor: ...
+    def forward(self, h: torch.Tensor, pos: Any, cache: Cache, index: int) -> torch.Tensor: ...
 
     @abstractmethod
     def kv_from_hidden(self, h: torch.Tensor, pos: Any, out: KVOut = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +60,7 @@ class DecoderModel(nn.Module, ABC):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache,
+        cache: Cache,
         hidden_out: torch.Tensor | dict[int, torch.Tensor] | None = None,
         num_layers: int | None = None,
     ) -> torch.Tensor:
@@ -82,19 +82,19 @@ class DecoderModel(nn.Module, ABC):
         cache.commit()
         return self.head_norm(h) if n == self.cfg.num_layers else h
 
-    def prefix_steps(self, tokens: list[int], cache: KVCache, num_layers: int) -> Iterator[int]:
-        """`forward` of `tokens` from position 0 through layers `0..num_layers-1` (their K/V
-        into `cache`), a layer per step: yields each layer's index once it is done. The caller
-        holds `torch.inference_mode` (a generator cannot)."""
+    def prefix_steps(self, tokens: list[int], cache: Cache) -> Iterator[int]:
+        """`forward` of `tokens` from position 0, a layer per step: yields each layer's index
+        once its K/V are in `cache`. Other forwards may use `cache` between steps (each step
+        frames its own), and nothing is committed: the caller sets the length it restored.
+        The caller holds `torch.inference_mode` (a generator cannot)."""
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(len(tokens), device=self.device)
-        cache.begin(len(tokens))
         h = self.embed(ids, positions)
         pos = self.pos_context(positions)
-        for i in range(num_layers):
+        for i in range(self.cfg.num_layers):
+            cache.begin(len(tokens), start=0)
             h = self.layers[i](h, pos, cache, i)
             yield i
-        cache.commit()
 
     @torch.inference_mode()
     def logits(self, h: torch.Tensor) -> torch.Tensor:

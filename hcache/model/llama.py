@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hcache.config import ModelConfig
-from hcache.model.attention import KVCache
 from hcache.model.base import DecoderLayer, DecoderModel, KVOut
+from hcache.model.cache import Cache
 from hcache.model.layers import RMSNorm, Rope, apply_rope, linear_into
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
@@ -35,7 +35,7 @@ class LlamaLayer(DecoderLayer):
         k = apply_rope(self.wk(x).view(t, self.n_kv, self.hd), *pos, out=k_out)
         return k, linear_into(x, self.wv, v_out).view(t, self.n_kv, self.hd)
 
-    def forward(self, h: torch.Tensor, pos: CosSin, cache: KVCache, index: int) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, pos: CosSin, cache: Cache, index: int) -> torch.Tensor:
         x = self.attn_norm(h)
         q = apply_rope(self.wq(x).view(x.shape[0], self.n_heads, self.hd), *pos)
         k, v = self._kv(x, pos)

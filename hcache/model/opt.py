@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hcache.config import ModelConfig
-from hcache.model.attention import KVCache
 from hcache.model.base import DecoderLayer, DecoderModel, KVOut
+from hcache.model.cache import Cache
 from hcache.model.layers import linear_into
 
 POSITION_OFFSET = 2  # OPT reserves the first two rows of its position table
@@ -33,7 +33,7 @@ class OPTLayer(DecoderLayer):
         k, v = linear_into(x, self.wk, k_out), linear_into(x, self.wv, v_out)
         return k.view(t, self.n_heads, self.hd), v.view(t, self.n_heads, self.hd)
 
-    def forward(self, h: torch.Tensor, pos: None, cache: KVCache, index: int) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, pos: None, cache: Cache, index: int) -> torch.Tensor:
         x = self.attn_norm(h) if self.pre_norm else h
         q = self.wq(x).view(x.shape[0], self.n_heads, self.hd)
         k, v = self._kv(x)

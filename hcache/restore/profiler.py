@@ -21,9 +21,9 @@ from rich.progress import Progress
 from hcache.config import StorageConfig
 from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
+from hcache.restore.executor import recompute_prefix, restore
 from hcache.restore.plan import Method, Plan
 from hcache.restore.profile import Profile
-from hcache.restore.restorer import recompute_prefix, restore
 from hcache.restore.sources import StoreSource
 from hcache.storage.layout import CHUNK_TOKENS, Kind
 from hcache.storage.reader import Want

@@ -6,17 +6,12 @@ as much as the norm."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from hcache.model.base import DecoderModel
-
-
-class KVRows(Protocol):
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int | None = None) -> None: ...
-
-    def dest(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+from hcache.model.cache import KVRows
 
 
 class Projector:

@@ -1,0 +1,52 @@
+"""The KV-cache contract shared by the model, the restore executor and the engine.
+
+The model's layers only `attend`: store this forward's K/V and attend over everything
+held. A forward is framed by `begin` (reserve rows, and say where its tokens start) and
+`commit`. The restore executor also places rows directly (`write`, or `dest` views that
+kernels fill in place). The contiguous `KVCache` (model/attention.py), the engine's
+paged cache and its batch of paged caches implement it."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Cache(Protocol):
+    """What a forward needs."""
+
+    def begin(self, n: int, start: int | None = None) -> None:
+        """Start a forward of `n` tokens at position `start` (default: after the committed ones)."""
+
+    def commit(self) -> None:
+        """The forward's tokens are now held: `length` moves past them."""
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+    ) -> torch.Tensor:
+        """Store `k`, `v` `[T, KvH, D]` at the forward's rows; `q` `[T, H, D]` attends causally; `[T, H*D]`."""
+        ...
+
+
+class KVRows(Cache, Protocol):
+    """One sequence's cache, as the restore executor fills it."""
+
+    length: int  # tokens committed in every layer
+
+    def reserve(self, n: int) -> None:
+        """Room for `n` tokens past `length`."""
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int | None = None) -> None:
+        """Layer `layer`'s K and V rows for positions `start..` (default: `length`)."""
+
+    def dest(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Views of layer `layer`'s rows `start..start+n` to fill in place, or None (then `write`)."""
+        ...
+
+    def layer_kv(self, layer: int, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s K and V of the first `n` tokens (default: `length`)."""
+        ...
+
+    def truncate(self, n: int) -> None:
+        """Forget tokens past `n`."""
