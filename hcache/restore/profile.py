@@ -71,9 +71,8 @@ class Profile:
     # paid once before its first layer; with `read_cpu_ms_per_mb`, what reads take from compute
     read_setup_ms: float = 0.0
     # context tokens -> a recompute layer's time beside a restore's readers over its time alone:
-    # on a 2-core CPU the readers' wake-ups and checksums land on the cores a layer's two
-    # threads run on, and both wait for the one interrupted (a 6-layer prefix ran 25-35%
-    # slower beside reads from 4 directories, though the readers' own CPU was a third of that)
+    # on a small CPU the readers' wake-ups and checksums land on the cores a layer's threads
+    # run on, and all of them wait for the one interrupted
     re_reading: dict[int, float] = field(default_factory=dict)
 
     def re_reading_factor(self, n: int) -> float:

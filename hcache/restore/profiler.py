@@ -30,20 +30,16 @@ from hcache.storage.reader import Want
 from hcache.storage.store import ChunkStore
 
 SCRATCH = ".hcache-profile"
-# up to 8K: fitted to 4K, the quadratic part under-predicted 16K by 20% (472 against 597 ms
-# per layer) and a recompute prefix chosen on it lost to H-only under a read cap
+# up to 8K: the quadratic part fitted to shorter lengths under-predicts long contexts
 RE_CONTEXTS = (256, 1024, 2048, 4096, 8192)
 # a GPU recomputes long contexts in milliseconds: measure the quadratic part, don't extrapolate it
 RE_CONTEXTS_GPU = (*RE_CONTEXTS, 16384)
 IO_TOKENS = 4096
 H_TOKENS = (1024, 4096)
 PROFILE_VERSION = 9  # bumped when the profile gains a measurement or the read path changes: older files are re-measured
-# restores on this 2-core VM come within about +-10% of their predictions, and single
-# methods err less than mixes; a mix must win by more than that to be chosen. Measured in
-# four benchmark runs: mixes predicted to win by 5-9% ran at a median 0.91 of the best single
-# method (0.71-1.08, 11 configurations), mixes predicted to win by 26-39% at 1.12 (0.97-1.27, 8);
-# with the faster reads (profile v6) a mix predicted to win by 10% ran at 1.00 and 0.90
-# (bench/results/restore_v6.txt): the recompute prefix shares 2 cores with reads
+# on a CPU a mix's prediction errs more than a single method's (its recompute prefix shares
+# the cores with the reads): a mix must win by more than that error to be chosen
+# (the figures behind it: bench/RESULTS.md)
 CPU_MIX_MARGIN = 0.15
 
 
@@ -121,8 +117,7 @@ def _io(model: DecoderModel, dirs: list[Path], tokens: int, compute: tuple[int, 
         nbytes = read_all()
         secs = _median_ms(read_all) / 1e3
         # and a quarter as much: a restore's reads cost a fixed part (planning, the first
-        # request's latency, the ramp of request sizes) plus bytes over the rate; one length
-        # alone spread the fixed part over every byte, and 1K-token restores ran 20-40% over
+        # request's latency, the ramp of request sizes) plus bytes over the rate
         rate, fixed = nbytes / secs / 1e9, 0.0
         short = tokens // 4 // CHUNK_TOKENS * CHUNK_TOKENS
         if short:
@@ -140,7 +135,7 @@ def _io(model: DecoderModel, dirs: list[Path], tokens: int, compute: tuple[int, 
         res = IOResult(rate, latency, statistics.median(cpu))
         elem = torch.finfo(model.dtype).bits // 8
         # one cache for every restore, as the engine's block pool is: a fresh one per restore
-        # paid its first-touch page faults inside the KV placement (35-263 ms at 4K tokens)
+        # would pay its first-touch page faults inside the KV placement
         cache = KVCache(cfg, model.dtype, model.device, capacity=max(compute, default=1))
         for n in compute:
             owner = "profile" if n == tokens else f"profile-{n}"  # the read owner serves its own length
@@ -192,8 +187,7 @@ def _reads_cost_to_compute(model: DecoderModel, dirs: list[Path], prof: Profile,
     """MB read -> compute-thread ms lost, from real RE-prefix + KV restores that read one layer
     and half the layers: the compute thread's busy time over what the prefix and the placement
     take alone. On a GPU that thread is bound by kernel launches, and planning the reads and the
-    readers' Python (checksums, placement, the GIL) take from it (measured on an H100: a 7-layer
-    prefix ran up to 5x slower while the other layers' KV was read)."""
+    readers' Python (checksums, placement, the GIL) take from it."""
     cfg, L, fp = model.cfg, model.cfg.num_layers, model.fingerprint()
     points: dict[float, float] = {}
     with _scratch_store(model, dirs) as st:
