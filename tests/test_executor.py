@@ -61,7 +61,7 @@ def test_engine_job_and_restore_produce_the_same_bits(tiny_folder, plan: str) ->
     """What the profiler and `bench restore` time (restore) is what the engine runs."""
     model = tload(tiny_folder("llama_gqa"))
     state, _ = chat_like(model)
-    p = Plan(tuple({"R": Method.RECOMPUTE, "H": Method.HIDDEN, "K": Method.KV}[c] for c in plan))
+    p = Plan.from_letters(plan)
     want, _ = restore(model, p, state)
     n = len(state.tokens)
     for fused, new in ((True, []), (False, [5, 6, 7]), (True, [5, 6, 7])):

@@ -144,8 +144,7 @@ def method_plan(method: str, geom: Geometry, prof: Profile, n: int, cap: float |
     if method == "tokenwise":
         t = partition_tokenwise(geom, prof, n, cap)
         return t.split, t.makespan_ms
-    m = {"RE": Method.RECOMPUTE, "KV": Method.KV, "H": Method.HIDDEN}[method]
-    plan = Plan.uniform(L, m)
+    plan = Plan.uniform(L, Method.parse(method))
     return plan, simulate(plan.methods, layer_costs(geom, prof, n, cap))[2]
 
 

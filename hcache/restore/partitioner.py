@@ -50,7 +50,7 @@ class PlannedRestore:
 
 def storage_kinds(plan: Plan) -> list[Kind | None]:
     """What to store per layer so that `plan` can run later: nothing for the recomputed prefix."""
-    return [{Method.HIDDEN: Kind.HIDDEN, Method.KV: Kind.KV}.get(m) for m in plan.methods]
+    return [m.kind for m in plan.methods]
 
 
 def layer_costs(geom: Geometry, prof: Profile, n: int, cap_gbps: float | None = None) -> dict[Method, LayerCost]:

@@ -1,5 +1,9 @@
 """A restore plan: one method per layer. Recompute must be a prefix (layer l's
-recompute needs layer l-1's output); hidden-state and KV layers may be mixed freely."""
+recompute needs layer l-1's output); hidden-state and KV layers may be mixed freely.
+
+One vocabulary: a method's name (`recompute`, `hidden`, `kv`), its short label (RE, H,
+KV), its letter in a plan's layer string (R, H, K) and the stored kind it reads are all
+defined by `Method`; the stored kinds and their letters by `storage.layout.Kind`."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from hcache.config import ModelConfig
+from hcache.storage.layout import Kind
 
 TOKEN_ID_BYTES = 4
 
@@ -17,8 +22,27 @@ class Method(str, Enum):
     KV = "kv"
 
     @property
+    def kind(self) -> Kind | None:
+        """The stored kind this method reads (recompute reads only token ids)."""
+        return {Method.HIDDEN: Kind.HIDDEN, Method.KV: Kind.KV}.get(self)
+
+    @property
     def short(self) -> str:
-        return {"recompute": "RE", "hidden": "H", "kv": "KV"}[self.value]
+        """RE, H or KV: table columns, metric labels."""
+        return "RE" if self.kind is None else self.kind.label
+
+    @property
+    def letter(self) -> str:
+        """R, H or K: one per layer in a plan's layer string."""
+        return "R" if self.kind is None else self.kind.letter
+
+    @classmethod
+    def parse(cls, name: str) -> Method:
+        """From any of its spellings: recompute / RE / R, hidden / H, kv / KV / K."""
+        for m in cls:
+            if name.lower() in (m.value, m.short.lower(), m.letter.lower()):
+                return m
+        raise ValueError(f"unknown restore method {name!r}: recompute (RE), hidden (H) or kv (KV)")
 
 
 @dataclass(frozen=True)
@@ -41,6 +65,11 @@ class Plan:
             raise ValueError(f"bad split ({n_recompute}, {n_hidden}) of {num_layers} layers")
         n_kv = num_layers - n_recompute - n_hidden
         return cls((Method.RECOMPUTE,) * n_recompute + (Method.HIDDEN,) * n_hidden + (Method.KV,) * n_kv)
+
+    @classmethod
+    def from_letters(cls, letters: str) -> Plan:
+        """The inverse of `letters`, e.g. "RRHHKK"."""
+        return cls(tuple(Method.parse(c) for c in letters))
 
     @property
     def n_recompute(self) -> int:
@@ -71,7 +100,7 @@ class Plan:
     @property
     def letters(self) -> str:
         """One letter per layer: R, H or K."""
-        return "".join(m.short[0] for m in self.methods)
+        return "".join(m.letter for m in self.methods)
 
     def mix(self) -> str:
         """Counts per method, e.g. "RE 2 / H 0 / KV 28" (a metric label, a dashboard cell)."""

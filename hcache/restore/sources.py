@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from hcache.restore.plan import Method, Plan
+from hcache.restore.plan import Plan
 from hcache.restore.state import StateSource, StateUnavailable
 from hcache.storage.errors import ChunkError
 from hcache.storage.layout import CHUNK_TOKENS, Kind
 from hcache.storage.reader import OwnerReader, Want
 from hcache.storage.store import ChunkStore
-
-METHOD_KIND = {Method.HIDDEN: Kind.HIDDEN, Method.KV: Kind.KV}
 
 
 class StoreSource(StateSource):
@@ -43,9 +41,9 @@ class StoreSource(StateSource):
         n = self.row.num_tokens
         self._start(
             [
-                Want(layer, METHOD_KIND[m], 0, n)
+                Want(layer, m.kind, 0, n)
                 for layer, m in enumerate(plan.methods)
-                if m != Method.RECOMPUTE and METHOD_KIND[m] in self.stored[layer]
+                if m.kind is not None and m.kind in self.stored[layer]
             ]
         )
 

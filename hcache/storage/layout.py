@@ -20,15 +20,24 @@ class Kind(str, Enum):
     HIDDEN = "h"
     KV = "kv"
 
+    @property
+    def label(self) -> str:
+        """H or KV: table columns, metric labels."""
+        return "H" if self == Kind.HIDDEN else "KV"
+
+    @property
+    def letter(self) -> str:
+        """H or K: a layer's letter in the manifest and in restore plans."""
+        return self.label[0]
+
 
 Stored = frozenset[Kind]  # what one layer keeps: nothing (recompute), H, KV, or both
 StoredSpec = Kind | None | set[Kind] | frozenset[Kind]
-# one letter per layer in the manifest: - (nothing), H, K (KV), B (both)
+# one letter per layer in the manifest: - (nothing), a kind's letter, B (both)
 LAYER_CODES: dict[Stored, str] = {
     frozenset(): "-",
-    frozenset({Kind.HIDDEN}): "H",
-    frozenset({Kind.KV}): "K",
-    frozenset({Kind.HIDDEN, Kind.KV}): "B",
+    **{frozenset({k}): k.letter for k in Kind},
+    frozenset(Kind): "B",
 }
 
 
