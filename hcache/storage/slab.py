@@ -239,6 +239,3 @@ class SlotAllocator:
             for s in self.reserved.pop(key):
                 bisect.insort(self.free, s)
             self.extent_len.pop(key, None)
-
-    def reserved_count(self) -> int:
-        return sum(len(v) for v in self.reserved.values())
