@@ -163,8 +163,8 @@ class Packer(threading.Thread):
         self.store.dispatch(w)
 
     def _flush_tail(self, owner: str, write_tail: bool) -> tuple[list[Future], int]:
-        """The open tail chunks themselves go to disk and leave memory: an idle session holds
-        no buffers here (a tail per layer is 50-100 KB), and its next rows reload the tail."""
+        """The open tail chunks themselves go to disk and leave memory, so an idle session holds
+        no buffers here; its next rows reload the tail."""
         st = self.owners.get(owner)
         if st is None:
             if not write_tail:

@@ -81,12 +81,11 @@ def plan_requests(
     the requests that precede the next layer's, however its extents are spread through the
     slab. A slab's first request is at most `first_bytes` and each next one may be twice the
     last, up to `max_bytes`: the first layers arrive soon, and the bulk comes in requests
-    large enough for the device's full bandwidth (small O_DIRECT requests get a fraction).
+    large enough for the device's full bandwidth.
 
-    This runs before a restore's first read, so it works on extents (one layer's chunks in
-    nearby slots, rising indices), not chunks, and yields each request as it is made, so the
-    first read starts while later ones are planned: a chunk-by-chunk walk of the whole owner
-    took 3 ms of the 5 ms before the first read of an 8K-token owner."""
+    It works on extents (one layer's chunks in nearby slots, rising indices), not chunks,
+    and yields each request as it is made, so the first read starts while later ones are
+    planned."""
     n = len(rows)
     if not n:
         return
@@ -230,8 +229,8 @@ class OwnerReader:
 
     def _run(self, q: Request) -> None:
         """On a reader thread: read the request's slots, then hand the checks to the verifier
-        so this thread's next read starts at once (a thread busy checksumming is one request
-        fewer in flight, and on 2 cores each waited for the GIL as well)."""
+        so that this thread's next read starts at once (a thread busy checksumming is one
+        request fewer in flight)."""
         shape = self.store.shapes[Kind(q.chunks[0].kind)]
         pool = self.store.reads
         buf = None
@@ -310,13 +309,12 @@ class OwnerReader:
         self, q: Request, shape: ChunkShape, sb: int
     ) -> tuple[list[memoryview | tuple[int, int]], list[list[memoryview] | None]]:
         """The request's slots as read targets, in file order. A full chunk lands in place in
-        its layer's buffer (no copy after the read: on 2 cores placement copies were ~40% of
-        the readers' CPU); unwanted slots between wanted ones go to a shared discard area;
-        tails (and chunks that cannot land in place) go to the bounce buffer, as `(offset,
-        length)` of their slot until one is taken. Returns the targets and, per chunk of
-        `q.chunks`, its bytes in place for the checksum (None: in the bounce buffer). Built a
-        run at a time (a layer's chunks in consecutive slots): this runs on the reader thread
-        between two reads, holding the GIL."""
+        its layer's buffer, so no copy follows the read; unwanted slots between wanted ones go
+        to a shared discard area; tails (and chunks that cannot land in place) go to the bounce
+        buffer, as `(offset, length)` of their slot until one is taken. Returns the targets
+        and, per chunk of `q.chunks`, its bytes in place for the checksum (None: in the bounce
+        buffer). Built a run at a time (a layer's chunks in consecutive slots) because it runs
+        on a reader thread between two reads."""
         piece = shape.nbytes  # a chunk's 64 token rows (H, or each token's K and V)
         step = piece // CHUNK_TOKENS  # bytes per token row
         # chunks land in place only when their rows are whole pages, so their slots have no padding
@@ -467,11 +465,9 @@ class OwnerReader:
 
 
 def one_core_copies() -> None:
-    """Storage threads place and pack with torch copies; by default each copy over a few
-    hundred KB would start an OpenMP team of every core, and with dozens of such threads
-    the cores are oversubscribed and the restore's compute thread starves (measured on a
-    16-core GPU host: a 7-layer recompute prefix ran 6x slower while KV was read). The
-    setting is per thread: the compute thread keeps its own."""
+    """Storage threads copy with torch, whose larger copies would each start an OpenMP team
+    of every core: dozens of such threads oversubscribe the cores and starve the restore's
+    compute thread. The setting is per thread: the compute thread keeps its own."""
     torch.set_num_threads(1)
 
 

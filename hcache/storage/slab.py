@@ -24,13 +24,10 @@ IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in getattr(os, "sysconf_names
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
-    """A page-aligned buffer for O_DIRECT, backed by transparent huge pages where the
-    kernel allows. An O_DIRECT request is cut into as many device requests as its buffer
-    has physically separate segments (the queue's max_segments: 254 on this VM's virtio
-    disk), so with 4 KB pages a 32 MB read goes out as ~1 MB requests; with 2 MB pages it
-    goes out at the queue's max_sectors_kb (4 MB here): measured 1.5 -> 2.6 GB/s. Private:
-    shared anonymous memory is shmem, which does not take huge pages by default. Sizes from
-    2 MB up are rounded to whole huge pages."""
+    """A page-aligned buffer for O_DIRECT, on transparent huge pages where the kernel allows,
+    since the block layer cuts a request at every physically separate segment of its buffer.
+    Private: shared anonymous memory is shmem, which does not take huge pages by default.
+    Sizes from 2 MB up are rounded to whole huge pages."""
     size = max(nbytes, mmap.PAGESIZE)
     if size >= HUGE_PAGE:
         size = -(-size // HUGE_PAGE) * HUGE_PAGE

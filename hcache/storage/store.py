@@ -313,11 +313,9 @@ class ChunkStore:
         return wrap
 
     def take_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A layer-sized read buffer, reused across restores (fresh memory costs page faults):
-        the smallest free one that is large enough, whatever it last held. One pool serves H
-        and KV layers of any length (with a pool per power-of-two size, a KV-only restore
-        after an H-only one found none of its size and faulted in 24 fresh 16 MB buffers:
-        4K tokens, multi-head model). New ones are rounded up to whole huge pages."""
+        """A layer-sized read buffer, reused across restores since fresh memory costs page
+        faults: the smallest free one that is large enough, whatever it last held, so one pool
+        serves H and KV layers of any length. New ones are rounded up to whole huge pages."""
         n = max(1, math.prod(shape))
         with self.lock:
             sizes = [f.numel() for f in self._buffers]
@@ -338,10 +336,9 @@ class ChunkStore:
         return flat[:n].view(shape)
 
     def give_buffer(self, t: torch.Tensor) -> None:
-        """Keep what two restores' read-ahead holds (the layer window or `prefetch_bytes`, and
-        a little more), so the next restore allocates nothing whichever kinds it reads; on
-        CUDA a fresh pinned buffer costs milliseconds and stalls the device. Over that, the
-        least recently returned go."""
+        """Keep what two restores' read-ahead holds (the layer window or `prefetch_bytes`, and a
+        little more), so the next restore allocates nothing (on CUDA a fresh pinned buffer
+        stalls the device); over that, the least recently returned go."""
         flat = t._base if t._base is not None else t
         with self.lock:
             self._buffers.append(flat)
