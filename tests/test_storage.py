@@ -364,7 +364,7 @@ def test_read_requests_follow_layer_order_and_grow():
     import random
 
     from hcache.storage.manifest import ChunkRow
-    from hcache.storage.reader import plan_requests
+    from hcache.storage.readplan import plan_requests
 
     slot = 1 << 20
     rng = random.Random(0)
@@ -399,7 +399,7 @@ def test_read_requests_follow_layer_order_and_grow():
 
 def _plan_chunk_by_chunk(rows, slot_bytes, max_bytes, max_gap=2, first_bytes=0, ahead=1 << 30):
     """plan_requests' rule, walked a chunk at a time: the reference for the extent-level planner."""
-    from hcache.storage.reader import Request
+    from hcache.storage.readplan import Request
 
     by_slab = {}
     for r in sorted(rows, key=lambda r: r.slot):
@@ -432,7 +432,7 @@ def test_read_plan_equals_the_chunk_by_chunk_rule():
     from collections import defaultdict
 
     from hcache.storage.manifest import ChunkRow
-    from hcache.storage.reader import plan_requests
+    from hcache.storage.readplan import plan_requests
 
     def shape(qs):
         return [(q.dir, q.slab, q.first, q.count, q.min_layer, [(c.layer, c.idx) for c in q.chunks]) for q in qs]

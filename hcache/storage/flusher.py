@@ -20,7 +20,7 @@ import torch
 from hcache.storage.errors import StorageError
 from hcache.storage.layout import CHUNK_TOKENS, Kind, checksum
 from hcache.storage.manifest import ChunkRow
-from hcache.storage.reader import one_core_copies
+from hcache.storage.readpool import one_core_copies
 from hcache.storage.staging import StagedBatch
 
 if TYPE_CHECKING:

@@ -38,7 +38,8 @@ from hcache.storage.layout import (
     parse_slab,
 )
 from hcache.storage.manifest import ChunkRow, Manifest, OwnerRow
-from hcache.storage.reader import OwnerReader, ReadPool, Want
+from hcache.storage.reader import OwnerReader, Want
+from hcache.storage.readpool import ReadPool
 from hcache.storage.slab import HUGE_PAGE, ChunkBuffers, SlabFile, SlotAllocator, aligned_buffer
 from hcache.storage.staging import Segment, StagedBatch, StagingRing
 from hcache.storage.throttle import TokenBucket
