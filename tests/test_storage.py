@@ -216,7 +216,7 @@ def _corrupt_one_chunk(st: ChunkStore, layer: int, idx: int = 0):
     row = next(r for r in st.manifest.chunks("s") if r.layer == layer and r.idx == idx)
     path = st.dirs[row.dir] / f"{row.slab}.slab"
     with open(path, "r+b") as f:
-        f.seek(row.slot * st.slab(row.dir, row.slab).slot_bytes + 100)
+        f.seek(row.slot * st.placement.slab(row.dir, row.slab).slot_bytes + 100)
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
@@ -287,7 +287,7 @@ def test_buffered_fallback_where_odirect_is_refused(dirs, monkeypatch, caplog) -
         st.create_owner("s", KINDS, "fp")
         n = chat_turns(st, "s")
         check_all(st, "s", n)
-        assert st.slabs and not any(s.direct for s in st.slabs.values())
+        assert st.placement.slabs and not any(s.direct for s in st.placement.slabs.values())
     warnings = [r for r in caplog.records if "O_DIRECT unavailable" in r.getMessage()]
     assert len(warnings) == 1
 
@@ -346,13 +346,13 @@ def test_reader_names_the_first_chunk_it_cannot_read(dirs) -> None:
         st.create_owner("s", KINDS, "fp")
         save(st, "s", 0, 192, KINDS)
         st.mark_durable("s", list(range(192)))
-        kv = st.index["s"][(2, Kind.KV.value)]
+        kv = st.placement.index["s"][(2, Kind.KV.value)]
         kv[1] = dataclasses.replace(kv[1], ntokens=36)
         r = st.reader("s", wants=[Want(2, Kind.KV, 0, 192), Want(1, Kind.HIDDEN, 0, 192)])
         with pytest.raises(ChunkError, match="layer 2 chunk 1: holds 36 < 64 tokens"):
             r.get(2)
         assert torch.equal(r.get(1), expected(1, Kind.HIDDEN, 192))
-        del st.index["s"][(3, Kind.HIDDEN.value)][0]
+        del st.placement.index["s"][(3, Kind.HIDDEN.value)][0]
         with pytest.raises(ChunkError, match="layer 3 chunk 0: missing"):
             st.reader("s", wants=[Want(3, Kind.HIDDEN, 0, 192)]).get(3)
 
@@ -516,17 +516,17 @@ def test_one_buffer_pool_serves_layers_of_every_size(dirs) -> None:
     a pool per power-of-two size, a KV-only restore after an H-only one faulted in fresh
     buffers for every layer. Over the budget, the least recently returned buffers go."""
     with open_store(dirs[:1], prefetch_bytes=1, prefetch_layers=0) as st:
-        big = st.take_buffer((3 << 20,))  # a KV layer, say
-        st.give_buffer(big)
-        small = st.take_buffer((1 << 20, 1))  # an H layer a third the size: no fresh buffer
+        big = st.buffers.take((3 << 20,))  # a KV layer, say
+        st.buffers.give(big)
+        small = st.buffers.take((1 << 20, 1))  # an H layer a third the size: no fresh buffer
         assert st.stats.read_buffers_allocated == 1 and small.data_ptr() == big.data_ptr()
-        st.give_buffer(small)
+        st.buffers.give(small)
         # the budget keeps two restores' read-ahead, here 2 * (0 + 2) of the largest buffer
-        more = [st.take_buffer((3 << 20,)) for _ in range(6)]
+        more = [st.buffers.take((3 << 20,)) for _ in range(6)]
         assert st.stats.read_buffers_allocated == 6
         for t in more:
-            st.give_buffer(t)
-        kept = {t.data_ptr() for t in st._buffers}
+            st.buffers.give(t)
+        kept = {t.data_ptr() for t in st.buffers.free}
         assert kept == {t.data_ptr() for t in more[2:]}  # the first two returned went
 
 
@@ -585,8 +585,8 @@ def test_reads_are_booked_in_layer_order_across_directories(dirs) -> None:
         save(st, "o", 0, 256, kinds)
         st.mark_durable("o", list(range(256)))
         seen: list[tuple[int, int]] = []
-        submit = st.submit_read
-        st.submit_read = lambda d, fn, q: (seen.append((q.min_layer, d)), submit(d, fn, q))[1]
+        submit = st.reads.submit
+        st.reads.submit = lambda d, fn, q: (seen.append((q.min_layer, d)), submit(d, fn, q))[1]
         r = st.reader("o")
         for i in range(GEOM.num_layers):
             r.get(i)

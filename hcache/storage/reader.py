@@ -10,17 +10,20 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from hcache.config import StorageConfig
+from hcache.storage.buffers import LayerBuffers
 from hcache.storage.errors import ChunkError
 from hcache.storage.layout import ALIGN, CHUNK_TOKENS, ChunkShape, Kind, checksum, checksum_parts, num_chunks
 from hcache.storage.manifest import ChunkRow
+from hcache.storage.placement import ChunkIndex, Placement
 from hcache.storage.readplan import Request, Want, is_tail, plan_requests, run_end, scatter_plan, wanted_chunks
-
-if TYPE_CHECKING:
-    from hcache.storage.store import ChunkStore
+from hcache.storage.readpool import ReadPool
+from hcache.storage.slab import aligned_buffer
+from hcache.storage.stats import StoreStats
+from hcache.storage.throttle import TokenBucket
 
 
 @dataclass(eq=False)  # hashed by identity: per-request tallies key on it
@@ -28,7 +31,7 @@ class LayerSlot:
     want: Want
     shape: tuple[int, ...]
     remaining: int
-    out: torch.Tensor | None = None  # taken from the store's buffer pool when the first chunk lands
+    out: torch.Tensor | None = None  # taken from the layer buffer pool when the first chunk lands
     mem: memoryview | None = None  # `out`'s buffer as bytes, for reads in place
     ready: threading.Event = field(default_factory=threading.Event)
     error: ChunkError | None = None
@@ -37,19 +40,34 @@ class LayerSlot:
 class OwnerReader:
     """Fetches parts of one owner's stored layers; `get(layer, kind)` blocks until that part is whole."""
 
-    def __init__(self, store: ChunkStore, owner: str, wants: list[Want], window: int):
-        self.store, self.owner = store, owner
+    def __init__(
+        self,
+        owner: str,
+        wants: list[Want],
+        window: int,
+        *,
+        index: ChunkIndex,
+        shapes: dict[Kind, ChunkShape],
+        slabs: Placement,
+        pool: ReadPool,
+        buffers: LayerBuffers,
+        throttle: TokenBucket,
+        stats: StoreStats,
+        cfg: StorageConfig,
+    ):
+        """Read `wants` of `owner`, whose committed chunks are `index`, out of `slabs`' files."""
+        self.owner, self.shapes, self.slabs, self.pool = owner, shapes, slabs, pool
+        self.buffers, self.throttle, self.stats, self.cfg = buffers, throttle, stats, cfg
         self.window = max(1, window)
         self.slots: dict[tuple[int, Kind], LayerSlot] = {}
         self.bytes_read = 0
         self._lock = threading.Lock()
         self._cursor = min((w.layer for w in wants), default=0)
-        index = store.chunk_index(owner)
         rows: list[ChunkRow] = []
         for w in wants:
             if w.lo % CHUNK_TOKENS or not 0 <= w.lo <= w.hi:
                 raise ValueError(f"bad token range {w.lo}:{w.hi}")
-            width = store.shapes[w.kind].width
+            width = shapes[w.kind].width
             n = w.hi - w.lo
             first, last = w.lo // CHUNK_TOKENS, num_chunks(w.hi)
             slot = self.slots[(w.layer, w.kind)] = LayerSlot(
@@ -67,15 +85,15 @@ class OwnerReader:
         # consumer, so small layers are not held back while it is busy (say, recomputing)
         self._layer_bytes: dict[int, int] = defaultdict(int)
         for slot in self.slots.values():
-            self._layer_bytes[slot.want.layer] += math.prod(slot.shape) * store.shapes[slot.want.kind].dtype.itemsize
+            self._layer_bytes[slot.want.layer] += math.prod(slot.shape) * shapes[slot.want.kind].dtype.itemsize
         self._last_layer = max(self._layer_bytes, default=0)
-        sizes = self._slot_bytes = {s.slab: s.slot_bytes for s in store.shapes.values()}
+        sizes = self._slot_bytes = {s.slab: s.slot_bytes for s in shapes.values()}
         self._plan = plan_requests(
             rows,
             sizes,
-            store.cfg.max_request_bytes,
-            first_bytes=store.cfg.first_request_bytes,
-            ahead=store.cfg.request_layers,
+            cfg.max_request_bytes,
+            first_bytes=cfg.first_request_bytes,
+            ahead=cfg.request_layers,
         )
         self._planning, self._fresh = threading.Lock(), True
         self._next = next(self._plan, None)
@@ -89,14 +107,14 @@ class OwnerReader:
         with self._lock:
             horizon = self._cursor + self.window
             ahead = sum(self._layer_bytes.get(i, 0) for i in range(self._cursor, horizon))
-            while horizon <= self._last_layer and ahead < self.store.cfg.prefetch_bytes:
+            while horizon <= self._last_layer and ahead < self.cfg.prefetch_bytes:
                 ahead += self._layer_bytes.get(horizon, 0)
                 horizon += 1
         # the plan is made on the way, outside `_lock`, which reader threads take to start
         with self._planning:
             while (q := self._next) is not None and q.min_layer < horizon:
-                q.not_before = self.store.throttle.reserve(q.count * self._slot_bytes[q.slab])
-                self.store.submit_read(q.dir, self._run, q)
+                q.not_before = self.throttle.reserve(q.count * self._slot_bytes[q.slab])
+                self.pool.submit(q.dir, self._run, q)
                 if self._fresh:  # let the first reader have the GIL: the rest is planned meanwhile
                     self._fresh = False
                     time.sleep(0)
@@ -106,11 +124,11 @@ class OwnerReader:
         """On a reader thread: read the request's slots, then hand the checks to the verifier
         so that this thread's next read starts at once (a thread busy checksumming is one
         request fewer in flight)."""
-        shape = self.store.shapes[Kind(q.chunks[0].kind)]
-        pool = self.store.reads
+        shape = self.shapes[Kind(q.chunks[0].kind)]
+        pool = self.pool
         buf = None
         try:
-            slab = self.store.slab(q.dir, q.slab)
+            slab = self.slabs.slab(q.dir, q.slab)
             sb = slab.slot_bytes
             piece = shape.nbytes
             targets, parts = scatter_plan(q, piece, sb, lambda r: self._dest(r, piece), pool.discard)
@@ -138,7 +156,7 @@ class OwnerReader:
                 self._fail(r, f"read error: {e}")
         finally:
             if buf is not None:
-                self.store.reads.give(buf)
+                self.pool.give(buf)
 
     def _check(
         self,
@@ -153,7 +171,7 @@ class OwnerReader:
         copied out of the bounce buffer."""
         with self._lock:
             self.bytes_read += n
-        self.store.count_read(n, q.dir, sum(p is not None for p in parts))
+        self.stats.count_read(n, q.dir, sum(p is not None for p in parts))
         landed: dict[LayerSlot, int] = {}  # chunks verified in place, per layer
         good: list[ChunkRow] = []
         for r, p in zip(q.chunks, parts, strict=True):
@@ -161,7 +179,7 @@ class OwnerReader:
             if off + shape.nbytes > n:
                 self._fail(r, "slot beyond the end of its slab")
             elif (checksum_parts(p) if p is not None else checksum(bounce[off : off + shape.nbytes])) != r.checksum:
-                self.store.count_checksum_failure()
+                self.stats.count_checksum_failure()
                 self._fail(r, "checksum mismatch")
             elif p is not None:
                 slot = self._slot_of[(r.layer, r.kind)]
@@ -201,7 +219,7 @@ class OwnerReader:
     def _take(self, slot: LayerSlot) -> None:
         """Give the slot its layer buffer (under the lock)."""
         if slot.out is None:
-            slot.out = self.store.take_buffer(slot.shape)
+            slot.out = self.buffers.take(slot.shape)
 
     def _place_run(
         self, q: Request, slot_bytes: int, whole: torch.Tensor, run: list[ChunkRow], shape: ChunkShape
@@ -274,5 +292,19 @@ class OwnerReader:
         """The caller is done with `get`'s tensor: its memory serves the next read."""
         for (lay, k), slot in self.slots.items():
             if lay == layer and (kind is None or k == kind) and slot.out is not None and slot.ready.is_set():
-                self.store.give_buffer(slot.out)
+                self.buffers.give(slot.out)
                 slot.out, slot.mem = None, None
+
+
+def read_chunk(
+    slabs: Placement, shape: ChunkShape, stats: StoreStats, owner: str, layer: int, idx: int
+) -> torch.Tensor:
+    """One whole chunk (all 64 rows of its slot), checked."""
+    row = slabs.chunk_index(owner).get((layer, shape.kind.value), {}).get(idx)
+    if row is None:
+        raise ChunkError(owner, layer, idx, "missing")
+    got = slabs.slab(row.dir, row.slab).read(row.slot, 1, aligned_buffer(shape.slot_bytes))
+    if len(got) < shape.nbytes or checksum(got[: shape.nbytes]) != row.checksum:
+        stats.count_checksum_failure()
+        raise ChunkError(owner, layer, idx, "checksum mismatch")
+    return torch.frombuffer(bytearray(got[: shape.nbytes]), dtype=shape.dtype).view(shape.shape)

@@ -11,9 +11,7 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Callable
 from pathlib import Path
-from typing import Generic, TypeVar
 
 log = logging.getLogger(__name__)
 _warned_direct = False
@@ -117,36 +115,6 @@ def _warn_no_direct(path: Path, e: OSError) -> None:
             "O_DIRECT unavailable for %s (%s): using buffered I/O; storage numbers include the page cache", path, e
         )
         _warned_direct = True
-
-
-T = TypeVar("T")
-
-
-class ChunkBuffers(Generic[T]):
-    """Slot-sized, page-aligned chunk buffers, recycled: the packer fills them and the
-    writer hands them to O_DIRECT as they are, with no copy into a bounce buffer.
-    `wrap(mem)` builds whatever per-buffer object the caller wants, once per buffer."""
-
-    GROW = 64
-
-    def __init__(self, slot_bytes: int, wrap: Callable[[memoryview], T]):
-        self.slot_bytes, self.wrap = slot_bytes, wrap
-        self.free: list[T] = []
-        self.lock = threading.Lock()
-        self._arenas: list[mmap.mmap] = []
-
-    def take(self) -> T:
-        with self.lock:
-            if not self.free:
-                arena = aligned_buffer(self.GROW * self.slot_bytes)
-                self._arenas.append(arena)
-                view = memoryview(arena)
-                self.free = [self.wrap(view[i * self.slot_bytes : (i + 1) * self.slot_bytes]) for i in range(self.GROW)]
-            return self.free.pop()
-
-    def give(self, buf: T) -> None:
-        with self.lock:
-            self.free.append(buf)
 
 
 class SlotAllocator:
