@@ -14,10 +14,14 @@ import torch
 from storage_helpers import GEOM, KINDS, check_all, expected, save
 
 from hcache.config import StorageConfig
+from hcache.storage.buffers import LayerBuffers
 from hcache.storage.errors import ChunkError, StorageError, StorageFull, StoreLocked, UnknownOwner
 from hcache.storage.fsck import fsck
-from hcache.storage.layout import CHUNK_TOKENS, Kind, home_dir
+from hcache.storage.layout import CHUNK_TOKENS, Kind, chunk_shapes, home_dir
+from hcache.storage.manifest import Manifest
+from hcache.storage.placement import Placement
 from hcache.storage.slab import aligned_buffer
+from hcache.storage.stats import StoreStats
 from hcache.storage.store import MANIFEST, ChunkStore
 
 
@@ -528,6 +532,42 @@ def test_one_buffer_pool_serves_layers_of_every_size(dirs) -> None:
             st.buffers.give(t)
         kept = {t.data_ptr() for t in st.buffers.free}
         assert kept == {t.data_ptr() for t in more[2:]}  # the first two returned went
+
+
+def test_layer_buffers_reuse_the_smallest_that_fits() -> None:
+    """Of the free buffers large enough, the smallest serves: a larger one stays for a larger layer."""
+    stats = StoreStats()
+    pool = LayerBuffers(torch.float32, False, prefetch_bytes=1 << 30, prefetch_layers=4, stats=stats)
+    big, small, middle = pool.take((3 << 20,)), pool.take((1 << 20,)), pool.take((2 << 20,))
+    for t in (big, small, middle):
+        pool.give(t)
+    assert pool.take((1 << 19, 2)).data_ptr() == small.data_ptr()
+    assert pool.take(((1 << 20) + 1,)).data_ptr() == middle.data_ptr()
+    assert pool.take((3 << 20,)).data_ptr() == big.data_ptr()
+    assert stats.read_buffers_allocated == 3
+
+
+def test_placement_tries_home_then_the_next_directories_in_turn(dirs) -> None:
+    """Chunk c of layer l goes to directory (l + c) mod N; a directory without room is
+    skipped for the next one, wrapping around; with none left the store is full."""
+    shapes = chunk_shapes(GEOM, torch.float32)
+    h = shapes[Kind.HIDDEN]
+    manifest = Manifest(dirs[0] / MANIFEST)
+    cfg = StorageConfig([str(d) for d in dirs], quota_bytes=2 * h.slot_bytes)  # two slots per directory
+    placement = Placement(dirs, manifest, shapes, cfg, StoreStats())
+    try:
+        tails = [(layer, idx) for idx in range(2) for layer in range(3)]
+        placed = {key: placement.place(h, "o", *key, full=False) for key in tails}
+        assert [d for d, _ in placed.values()] == [0, 1, 2, 1, 2, 0]  # (layer + idx) mod 3
+        placement.release(0, h.slab, placed[(0, 0)][1])  # room in directories 0 and 2
+        placement.release(2, h.slab, placed[(2, 0)][1])
+        assert placement.place(h, "o", 0, 1, full=False)[0] == 2  # home is 1, which is full
+        assert placement.place(h, "o", 0, 1, full=False)[0] == 0
+        with pytest.raises(StorageFull, match="all 3 storage directories are full"):
+            placement.place(h, "o", 1, 0, full=False)
+    finally:
+        placement.close()
+        manifest.close()
 
 
 def test_storage_threads_copy_on_one_core(dirs) -> None:
