@@ -33,7 +33,7 @@ from hcache.storage.layout import (
     encode_layer_kinds,
 )
 from hcache.storage.manifest import OwnerRow, open_manifest
-from hcache.storage.placement import ChunkIndex, Placement
+from hcache.storage.placement import Placement
 from hcache.storage.reader import OwnerReader, Want, read_chunk
 from hcache.storage.readpool import ReadPool
 from hcache.storage.slab import aligned_buffer
@@ -224,9 +224,6 @@ class ChunkStore:
         self.placement.forget_versions(owner)
 
     # --- reading ----------------------------------------------------------------
-    def chunk_index(self, owner: str) -> ChunkIndex:
-        return self.placement.chunk_index(owner)
-
     def reader(
         self, owner: str, layers: list[int] | None = None, window: int | None = None, wants: list[Want] | None = None
     ) -> OwnerReader:
