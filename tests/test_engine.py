@@ -153,7 +153,7 @@ def test_corrupt_chunk_falls_back_to_recompute(tmp_path, tiny_folder):
         got, _ = turn(eng, s.id, token_ids=ids, params=p)
         eng.evict(s.id)
         row = next(r for r in store.manifest.chunks(s.id) if r.layer == 1 and r.idx == 1)
-        slab = store.slab(row.dir, row.slab)
+        slab = store.placement.slab(row.dir, row.slab)
         with open(slab.path, "r+b") as f:
             f.seek(row.slot * slab.slot_bytes + 100)
             b = f.read(1)

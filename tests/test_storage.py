@@ -14,10 +14,14 @@ import torch
 from storage_helpers import GEOM, KINDS, check_all, expected, save
 
 from hcache.config import StorageConfig
+from hcache.storage.buffers import LayerBuffers
 from hcache.storage.errors import ChunkError, StorageError, StorageFull, StoreLocked, UnknownOwner
 from hcache.storage.fsck import fsck
-from hcache.storage.layout import CHUNK_TOKENS, Kind, home_dir
+from hcache.storage.layout import CHUNK_TOKENS, Kind, chunk_shapes, home_dir
+from hcache.storage.manifest import Manifest
+from hcache.storage.placement import Placement
 from hcache.storage.slab import aligned_buffer
+from hcache.storage.stats import StoreStats
 from hcache.storage.store import MANIFEST, ChunkStore
 
 
@@ -216,7 +220,7 @@ def _corrupt_one_chunk(st: ChunkStore, layer: int, idx: int = 0):
     row = next(r for r in st.manifest.chunks("s") if r.layer == layer and r.idx == idx)
     path = st.dirs[row.dir] / f"{row.slab}.slab"
     with open(path, "r+b") as f:
-        f.seek(row.slot * st.slab(row.dir, row.slab).slot_bytes + 100)
+        f.seek(row.slot * st.placement.slab(row.dir, row.slab).slot_bytes + 100)
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
@@ -287,7 +291,7 @@ def test_buffered_fallback_where_odirect_is_refused(dirs, monkeypatch, caplog) -
         st.create_owner("s", KINDS, "fp")
         n = chat_turns(st, "s")
         check_all(st, "s", n)
-        assert st.slabs and not any(s.direct for s in st.slabs.values())
+        assert st.placement.slabs and not any(s.direct for s in st.placement.slabs.values())
     warnings = [r for r in caplog.records if "O_DIRECT unavailable" in r.getMessage()]
     assert len(warnings) == 1
 
@@ -346,13 +350,13 @@ def test_reader_names_the_first_chunk_it_cannot_read(dirs) -> None:
         st.create_owner("s", KINDS, "fp")
         save(st, "s", 0, 192, KINDS)
         st.mark_durable("s", list(range(192)))
-        kv = st.index["s"][(2, Kind.KV.value)]
+        kv = st.placement.index["s"][(2, Kind.KV.value)]
         kv[1] = dataclasses.replace(kv[1], ntokens=36)
         r = st.reader("s", wants=[Want(2, Kind.KV, 0, 192), Want(1, Kind.HIDDEN, 0, 192)])
         with pytest.raises(ChunkError, match="layer 2 chunk 1: holds 36 < 64 tokens"):
             r.get(2)
         assert torch.equal(r.get(1), expected(1, Kind.HIDDEN, 192))
-        del st.index["s"][(3, Kind.HIDDEN.value)][0]
+        del st.placement.index["s"][(3, Kind.HIDDEN.value)][0]
         with pytest.raises(ChunkError, match="layer 3 chunk 0: missing"):
             st.reader("s", wants=[Want(3, Kind.HIDDEN, 0, 192)]).get(3)
 
@@ -364,7 +368,7 @@ def test_read_requests_follow_layer_order_and_grow():
     import random
 
     from hcache.storage.manifest import ChunkRow
-    from hcache.storage.reader import plan_requests
+    from hcache.storage.readplan import plan_requests
 
     slot = 1 << 20
     rng = random.Random(0)
@@ -399,7 +403,7 @@ def test_read_requests_follow_layer_order_and_grow():
 
 def _plan_chunk_by_chunk(rows, slot_bytes, max_bytes, max_gap=2, first_bytes=0, ahead=1 << 30):
     """plan_requests' rule, walked a chunk at a time: the reference for the extent-level planner."""
-    from hcache.storage.reader import Request
+    from hcache.storage.readplan import Request
 
     by_slab = {}
     for r in sorted(rows, key=lambda r: r.slot):
@@ -432,7 +436,7 @@ def test_read_plan_equals_the_chunk_by_chunk_rule():
     from collections import defaultdict
 
     from hcache.storage.manifest import ChunkRow
-    from hcache.storage.reader import plan_requests
+    from hcache.storage.readplan import plan_requests
 
     def shape(qs):
         return [(q.dir, q.slab, q.first, q.count, q.min_layer, [(c.layer, c.idx) for c in q.chunks]) for q in qs]
@@ -516,18 +520,54 @@ def test_one_buffer_pool_serves_layers_of_every_size(dirs) -> None:
     a pool per power-of-two size, a KV-only restore after an H-only one faulted in fresh
     buffers for every layer. Over the budget, the least recently returned buffers go."""
     with open_store(dirs[:1], prefetch_bytes=1, prefetch_layers=0) as st:
-        big = st.take_buffer((3 << 20,))  # a KV layer, say
-        st.give_buffer(big)
-        small = st.take_buffer((1 << 20, 1))  # an H layer a third the size: no fresh buffer
+        big = st.buffers.take((3 << 20,))  # a KV layer, say
+        st.buffers.give(big)
+        small = st.buffers.take((1 << 20, 1))  # an H layer a third the size: no fresh buffer
         assert st.stats.read_buffers_allocated == 1 and small.data_ptr() == big.data_ptr()
-        st.give_buffer(small)
+        st.buffers.give(small)
         # the budget keeps two restores' read-ahead, here 2 * (0 + 2) of the largest buffer
-        more = [st.take_buffer((3 << 20,)) for _ in range(6)]
+        more = [st.buffers.take((3 << 20,)) for _ in range(6)]
         assert st.stats.read_buffers_allocated == 6
         for t in more:
-            st.give_buffer(t)
-        kept = {t.data_ptr() for t in st._buffers}
+            st.buffers.give(t)
+        kept = {t.data_ptr() for t in st.buffers.free}
         assert kept == {t.data_ptr() for t in more[2:]}  # the first two returned went
+
+
+def test_layer_buffers_reuse_the_smallest_that_fits() -> None:
+    """Of the free buffers large enough, the smallest serves: a larger one stays for a larger layer."""
+    stats = StoreStats()
+    pool = LayerBuffers(torch.float32, False, prefetch_bytes=1 << 30, prefetch_layers=4, stats=stats)
+    big, small, middle = pool.take((3 << 20,)), pool.take((1 << 20,)), pool.take((2 << 20,))
+    for t in (big, small, middle):
+        pool.give(t)
+    assert pool.take((1 << 19, 2)).data_ptr() == small.data_ptr()
+    assert pool.take(((1 << 20) + 1,)).data_ptr() == middle.data_ptr()
+    assert pool.take((3 << 20,)).data_ptr() == big.data_ptr()
+    assert stats.read_buffers_allocated == 3
+
+
+def test_placement_tries_home_then_the_next_directories_in_turn(dirs) -> None:
+    """Chunk c of layer l goes to directory (l + c) mod N; a directory without room is
+    skipped for the next one, wrapping around; with none left the store is full."""
+    shapes = chunk_shapes(GEOM, torch.float32)
+    h = shapes[Kind.HIDDEN]
+    manifest = Manifest(dirs[0] / MANIFEST)
+    cfg = StorageConfig([str(d) for d in dirs], quota_bytes=2 * h.slot_bytes)  # two slots per directory
+    placement = Placement(dirs, manifest, shapes, cfg, StoreStats())
+    try:
+        tails = [(layer, idx) for idx in range(2) for layer in range(3)]
+        placed = {key: placement.place(h, "o", *key, full=False) for key in tails}
+        assert [d for d, _ in placed.values()] == [0, 1, 2, 1, 2, 0]  # (layer + idx) mod 3
+        placement.release(0, h.slab, placed[(0, 0)][1])  # room in directories 0 and 2
+        placement.release(2, h.slab, placed[(2, 0)][1])
+        assert placement.place(h, "o", 0, 1, full=False)[0] == 2  # home is 1, which is full
+        assert placement.place(h, "o", 0, 1, full=False)[0] == 0
+        with pytest.raises(StorageFull, match="all 3 storage directories are full"):
+            placement.place(h, "o", 1, 0, full=False)
+    finally:
+        placement.close()
+        manifest.close()
 
 
 def test_storage_threads_copy_on_one_core(dirs) -> None:
@@ -585,8 +625,8 @@ def test_reads_are_booked_in_layer_order_across_directories(dirs) -> None:
         save(st, "o", 0, 256, kinds)
         st.mark_durable("o", list(range(256)))
         seen: list[tuple[int, int]] = []
-        submit = st.submit_read
-        st.submit_read = lambda d, fn, q: (seen.append((q.min_layer, d)), submit(d, fn, q))[1]
+        submit = st.reads.submit
+        st.reads.submit = lambda d, fn, q: (seen.append((q.min_layer, d)), submit(d, fn, q))[1]
         r = st.reader("o")
         for i in range(GEOM.num_layers):
             r.get(i)

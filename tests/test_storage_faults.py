@@ -57,8 +57,8 @@ def test_kill_9_mid_flush_loses_no_durable_turn(tmp_path) -> None:
             durable = st.owner_row("s").num_tokens
             assert durable >= acked
             check_all(st, "s", durable)  # every committed chunk verifies and holds the right rows
-            free = sum(len(a.free) for a in st.allocs.values())
-            assert all(a.high == (max(a.used) + 1 if a.used else 0) for a in st.allocs.values())
+            free = sum(len(a.free) for a in st.placement.allocs.values())
+            assert all(a.high == (max(a.used) + 1 if a.used else 0) for a in st.placement.allocs.values())
         report = fsck([str(d) for d in dirs])
         assert report.clean, report.lines()
         # every unreferenced slot the killed writer left is either cut off or on the free list
@@ -112,7 +112,7 @@ def test_store_restore_exact_with_corrupt_chunk_fallback(tiny_llama, tmp_path, c
         if corrupt:
             row = next(r for r in st.manifest.chunks("s") if r.layer == 2 and r.idx == 1)
             with open(st.dirs[row.dir] / f"{row.slab}.slab", "r+b") as f:
-                f.seek(row.slot * st.slab(row.dir, row.slab).slot_bytes + 8)
+                f.seek(row.slot * st.placement.slab(row.dir, row.slab).slot_bytes + 8)
                 f.write(bytes([0, 1, 2, 3]))
         plan = Plan((Method.RECOMPUTE, Method.HIDDEN, Method.KV))
         cache, report = restore(model, plan, StoreSource(st, "s", fp))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+from pathlib import Path
+
 
 class StorageError(Exception):
     pass
@@ -30,3 +33,10 @@ class UnknownOwner(StorageError, KeyError):
 
 class StoreLocked(StorageError):
     pass
+
+
+def write_error(e: Exception, path: Path) -> StorageError:
+    """What a failed write to directory `path` tells the caller: a full disk is `StorageFull`."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageFull(f"storage directory {path} is full: {e.strerror}")
+    return e if isinstance(e, StorageError) else StorageError(f"write to {path} failed: {e}")

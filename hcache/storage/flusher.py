@@ -11,30 +11,22 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from pathlib import Path
 
-import torch
-
-from hcache.storage.errors import StorageError
-from hcache.storage.layout import CHUNK_TOKENS, Kind, checksum
-from hcache.storage.manifest import ChunkRow
-from hcache.storage.reader import one_core_copies
-from hcache.storage.staging import StagedBatch
-
-if TYPE_CHECKING:
-    from hcache.storage.store import ChunkStore
+from hcache.storage.buffers import ChunkBuf, ChunkPools
+from hcache.storage.errors import StorageError, StorageFull, write_error
+from hcache.storage.layout import CHUNK_TOKENS, ChunkShape, Kind, checksum, decode_layer_kinds
+from hcache.storage.manifest import ChunkRow, Manifest
+from hcache.storage.placement import Placement
+from hcache.storage.reader import read_chunk
+from hcache.storage.readpool import one_core_copies
+from hcache.storage.staging import StagedBatch, StagingRing
+from hcache.storage.stats import StoreStats
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ChunkBuf:
-    """A chunk being filled: `t` is the chunk-shaped tensor over the aligned slot memory `mem`."""
-
-    mem: memoryview
-    t: torch.Tensor
 
 
 @dataclass
@@ -80,11 +72,25 @@ class Forget:
 
 
 class Packer(threading.Thread):
-    def __init__(self, store: ChunkStore):
+    """Packs staged rows into chunks, places each full or tail chunk and queues its write
+    with its directory's writer."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        placement: Placement,
+        shapes: dict[Kind, ChunkShape],
+        chunks: ChunkPools,
+        ring: StagingRing,
+        writers: list[DirWriter],
+        stats: StoreStats,
+    ):
         super().__init__(name="hcache-packer", daemon=True)
-        self.store = store
+        self.manifest, self.placement, self.shapes, self.chunks = manifest, placement, shapes, chunks
+        self.ring, self.writers, self.stats = ring, writers, stats
         self.inbox: queue.Queue = queue.Queue()
         self.owners: dict[str, OpenOwner] = {}
+        self.errors: dict[str, Exception] = {}  # owner -> why some of its staged rows were lost
         self.seq = 0
 
     def run(self) -> None:
@@ -98,7 +104,7 @@ class Packer(threading.Thread):
                 elif isinstance(item, Forget):
                     st = self.owners.pop(item.owner, None)
                     for (_, kind), buf in st.chunks.items() if st else ():
-                        self.store.free_chunk(kind, buf)
+                        self.chunks[kind].give(buf)
                     item.done.set_result(None)
             except Exception as e:  # the caller waiting on this item gets the error; packing goes on
                 log.exception("packer: %s", e)
@@ -106,16 +112,16 @@ class Packer(threading.Thread):
                     item.done.set_exception(e)
                 elif isinstance(item, StagedBatch):
                     for seg in item.segments:
-                        self.store.poison(seg.owner, e)
+                        self.errors[seg.owner] = e
             finally:
                 if isinstance(item, StagedBatch):
-                    self.store.ring.release(item)
+                    self.ring.release(item)
 
     def _owner(self, owner: str) -> OpenOwner:
         st = self.owners.get(owner)
         if st is None:
-            row = self.store.owner_row(owner)
-            st = self.owners[owner] = OpenOwner(self.store.layer_kinds(row), row.num_tokens)
+            row = self.manifest.owner(owner)
+            st = self.owners[owner] = OpenOwner(decode_layer_kinds(row.layer_kinds), row.num_tokens)
         if not st.loaded:
             self._load_tail(owner, st)
         return st
@@ -127,8 +133,8 @@ class Packer(threading.Thread):
             idx = st.next_token // CHUNK_TOKENS
             for layer, kinds in enumerate(st.kinds):
                 for kind in kinds:
-                    buf = st.chunks[(layer, kind)] = self.store.new_chunk(kind)
-                    buf.t.copy_(self.store.read_chunk(owner, layer, idx, kind))
+                    buf = st.chunks[(layer, kind)] = self.chunks[kind].take()
+                    buf.t.copy_(read_chunk(self.placement, self.shapes[kind], self.stats, owner, layer, idx))
         st.loaded = True
 
     def _pack(self, batch: StagedBatch) -> None:
@@ -145,7 +151,7 @@ class Packer(threading.Thread):
                 for layer, kind in ((la, k) for la, ks in enumerate(st.kinds) for k in ks):
                     buf = st.chunks.get((layer, kind))
                     if buf is None or off == 0:
-                        buf = st.chunks[(layer, kind)] = self.store.new_chunk(kind)
+                        buf = st.chunks[(layer, kind)] = self.chunks[kind].take()
                     buf.t[off : off + take] = (batch.hidden if kind == Kind.HIDDEN else batch.kv)[layer][rows]
                     if off + take == CHUNK_TOKENS:
                         self._emit(seg.owner, st, layer, idx, kind, buf, CHUNK_TOKENS)
@@ -160,17 +166,28 @@ class Packer(threading.Thread):
         while st.pending and st.pending[0].done() and st.pending[0].exception() is None:
             st.pending.popleft()
         st.pending.append(w.future)
-        self.store.dispatch(w)
+        self._dispatch(w)
+
+    def _dispatch(self, w: ChunkWrite) -> None:
+        """Place a chunk, then queue its write."""
+        shape = self.shapes[w.kind]
+        try:
+            w.dir, w.slot = self.placement.place(shape, w.owner, w.layer, w.idx, w.ntokens == CHUNK_TOKENS)
+        except StorageFull as e:
+            w.future.set_exception(e)
+            return
+        w.slab = shape.slab
+        self.writers[w.dir].inbox.put(w)
 
     def _flush_tail(self, owner: str, write_tail: bool) -> tuple[list[Future], int]:
-        """The open tail chunks themselves go to disk and leave memory: an idle session holds
-        no buffers here (a tail per layer is 50-100 KB), and its next rows reload the tail."""
+        """The open tail chunks themselves go to disk and leave memory, so an idle session holds
+        no buffers here; its next rows reload the tail."""
         st = self.owners.get(owner)
         if st is None:
             if not write_tail:
                 return [], 0
-            row = self.store.owner_row(owner)  # nothing open: what is on disk is current
-            st = self.owners[owner] = OpenOwner(self.store.layer_kinds(row), row.num_tokens)
+            row = self.manifest.owner(owner)  # nothing open: what is on disk is current
+            st = self.owners[owner] = OpenOwner(decode_layer_kinds(row.layer_kinds), row.num_tokens)
         n = st.next_token % CHUNK_TOKENS
         if n and write_tail and st.loaded:
             idx = st.next_token // CHUNK_TOKENS
@@ -184,13 +201,22 @@ class Packer(threading.Thread):
 class DirWriter(threading.Thread):
     """Writes one directory's chunks; fsync per group, then one manifest transaction."""
 
-    def __init__(self, store: ChunkStore, index: int, group_bytes: int = 16 << 20):
+    def __init__(
+        self,
+        index: int,
+        path: Path,
+        placement: Placement,
+        shapes: dict[Kind, ChunkShape],
+        chunks: ChunkPools,
+        group_bytes: int = 16 << 20,
+    ):
         super().__init__(name=f"hcache-writer-{index}", daemon=True)
-        self.store, self.index = store, index
-        self.slot_max = max(s.slot_bytes for s in store.shapes.values())
+        self.index, self.path, self.placement, self.shapes, self.chunks = index, path, placement, shapes, chunks
+        self.slot_max = max(s.slot_bytes for s in shapes.values())
         self.group_bytes = max(group_bytes, self.slot_max)
         self.inbox: queue.Queue = queue.Queue()
         self.bytes_written = 0
+        self.on_flush: Callable[[int, float], None] | None = None  # (directory, seconds) per written group
 
     def run(self) -> None:
         one_core_copies()
@@ -208,8 +234,8 @@ class DirWriter(threading.Thread):
                 size += self.slot_max
             t0 = time.perf_counter()
             self._write_group(group)
-            if self.store.on_flush is not None:
-                self.store.on_flush(self.index, time.perf_counter() - t0)
+            if self.on_flush is not None:
+                self.on_flush(self.index, time.perf_counter() - t0)
             if stop:
                 break
 
@@ -223,26 +249,26 @@ class DirWriter(threading.Thread):
             run: list[ChunkWrite] = []
             for w in [*group, None]:
                 if run and (w is None or w.slab != run[-1].slab or w.slot != run[-1].slot + 1):
-                    slab = self.store.slab(self.index, run[0].slab)
+                    slab = self.placement.slab(self.index, run[0].slab)
                     slab.write_slots(run[0].slot, [x.data.mem for x in run])
                     slabs.add(slab)
                     run = []
                 if w is not None:
                     run.append(w)
-                    crc = checksum(w.data.mem[: self.store.shapes[w.kind].nbytes])
+                    crc = checksum(w.data.mem[: self.shapes[w.kind].nbytes])
                     rows.append(ChunkRow(w.owner, w.layer, w.idx, w.kind.value, w.dir, w.slab, w.slot, w.ntokens, crc))
             for slab in slabs:
                 slab.sync()
-            self.store.commit(group, rows)
+            self.placement.commit(rows, [w.seq for w in group])
         except Exception as e:
-            err = self.store.storage_error(e, self.index)
+            err = write_error(e, self.path)
             for w in group:
-                self.store.release_slot(w.dir, w.slab, w.slot)
-                self.store.free_chunk(w.kind, w.data)
+                self.placement.release(w.dir, w.slab, w.slot)
+                self.chunks[w.kind].give(w.data)
                 if not w.future.done():
                     w.future.set_exception(err)
             return
         self.bytes_written += sum(len(w.data.mem) for w in group)
         for w in group:
-            self.store.free_chunk(w.kind, w.data)
+            self.chunks[w.kind].give(w.data)
             w.future.set_result(None)

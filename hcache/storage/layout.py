@@ -121,15 +121,15 @@ def num_chunks(n_tokens: int) -> int:
 
 
 def checksum(data: memoryview | bytes) -> int:
-    """xxh3-64 of a chunk's bytes (about 5x faster than crc32 here), as SQLite's signed 64-bit integer."""
+    """xxh3-64 of a chunk's bytes (xxh3 for speed), as SQLite's signed 64-bit integer."""
     return checksum_parts([data])
 
 
 def checksum_parts(parts: list[memoryview | bytes]) -> int:
     """`checksum` of the parts' concatenation (a chunk read in place is a slice of its
     layer's buffer, and a chunk of one kind may also be split over pieces). Always the
-    streaming hasher: it lets go of the GIL for pieces over 64 KB (the one-shot function
-    does not), so reader threads keep submitting while a hidden-state chunk is hashed."""
+    streaming hasher: it lets go of the GIL for large pieces (the one-shot function does
+    not), so reader threads keep submitting while a chunk is hashed."""
     h = xxhash.xxh3_64()
     for p in parts:
         h.update(p)

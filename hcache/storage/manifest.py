@@ -13,6 +13,9 @@ from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
+from hcache.storage.errors import StorageError, UnknownOwner
+from hcache.storage.layout import KV_LAYOUT, Kind
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS owners(
@@ -115,6 +118,12 @@ class Manifest:
             r = self.db.execute("SELECT * FROM owners WHERE owner=?", (owner,)).fetchone()
         return _owner(r) if r else None
 
+    def owner(self, owner: str) -> OwnerRow:
+        row = self.get_owner(owner)
+        if row is None:
+            raise UnknownOwner(f"unknown owner {owner}")
+        return row
+
     def owners(self) -> list[OwnerRow]:
         with self.lock:
             rows = self.db.execute("SELECT * FROM owners ORDER BY created").fetchall()
@@ -189,3 +198,30 @@ class Manifest:
 
 def _owner(r: tuple) -> OwnerRow:
     return OwnerRow(r[0], r[1], r[2], r[3], r[4], _unpack(r[5]), json.loads(r[6]), r[7], r[8])
+
+
+def open_manifest(path: Path, dirs: list[Path]) -> Manifest:
+    """The store's manifest. Refuses directories listed otherwise than at creation (chunks are
+    placed by directory position) and KV chunks in another layout than this hcache reads."""
+    man = Manifest(path)
+    try:
+        known = man.get_meta("dirs")
+        listed = "\n".join(map(str, dirs))
+        if known is not None and known != listed:
+            raise StorageError(
+                f"storage directories differ from the ones this store was created with:\n{known}\n"
+                "chunks are placed by directory position; start with the same list, in the same order"
+            )
+        man.set_meta("dirs", listed)
+        layout = man.get_meta("kv_layout")
+        if layout != KV_LAYOUT and (layout is not None or man.has_chunks(Kind.KV.value)):
+            raise StorageError(
+                f"{dirs[0]}: its KV chunks are laid out as {layout or '[2, 64, kv_dim] (K rows, then V rows)'}; "
+                f"this hcache reads [64, 2, kv_dim] ({KV_LAYOUT}). Serve them with the hcache that wrote them, "
+                "or start this one on empty directories"
+            )
+        man.set_meta("kv_layout", KV_LAYOUT)
+    except BaseException:
+        man.close()
+        raise
+    return man

@@ -11,9 +11,7 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Callable
 from pathlib import Path
-from typing import Generic, TypeVar
 
 log = logging.getLogger(__name__)
 _warned_direct = False
@@ -24,13 +22,10 @@ IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in getattr(os, "sysconf_names
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
-    """A page-aligned buffer for O_DIRECT, backed by transparent huge pages where the
-    kernel allows. An O_DIRECT request is cut into as many device requests as its buffer
-    has physically separate segments (the queue's max_segments: 254 on this VM's virtio
-    disk), so with 4 KB pages a 32 MB read goes out as ~1 MB requests; with 2 MB pages it
-    goes out at the queue's max_sectors_kb (4 MB here): measured 1.5 -> 2.6 GB/s. Private:
-    shared anonymous memory is shmem, which does not take huge pages by default. Sizes from
-    2 MB up are rounded to whole huge pages."""
+    """A page-aligned buffer for O_DIRECT, on transparent huge pages where the kernel allows,
+    since the block layer cuts a request at every physically separate segment of its buffer.
+    Private: shared anonymous memory is shmem, which does not take huge pages by default.
+    Sizes from 2 MB up are rounded to whole huge pages."""
     size = max(nbytes, mmap.PAGESIZE)
     if size >= HUGE_PAGE:
         size = -(-size // HUGE_PAGE) * HUGE_PAGE
@@ -122,36 +117,6 @@ def _warn_no_direct(path: Path, e: OSError) -> None:
         _warned_direct = True
 
 
-T = TypeVar("T")
-
-
-class ChunkBuffers(Generic[T]):
-    """Slot-sized, page-aligned chunk buffers, recycled: the packer fills them and the
-    writer hands them to O_DIRECT as they are, with no copy into a bounce buffer.
-    `wrap(mem)` builds whatever per-buffer object the caller wants, once per buffer."""
-
-    GROW = 64
-
-    def __init__(self, slot_bytes: int, wrap: Callable[[memoryview], T]):
-        self.slot_bytes, self.wrap = slot_bytes, wrap
-        self.free: list[T] = []
-        self.lock = threading.Lock()
-        self._arenas: list[mmap.mmap] = []
-
-    def take(self) -> T:
-        with self.lock:
-            if not self.free:
-                arena = aligned_buffer(self.GROW * self.slot_bytes)
-                self._arenas.append(arena)
-                view = memoryview(arena)
-                self.free = [self.wrap(view[i * self.slot_bytes : (i + 1) * self.slot_bytes]) for i in range(self.GROW)]
-            return self.free.pop()
-
-    def give(self, buf: T) -> None:
-        with self.lock:
-            self.free.append(buf)
-
-
 class SlotAllocator:
     """Slots of one slab. Full chunks of one (owner, layer) get consecutive slots from a
     reserved extent, so a restore reads them back in few large requests; tails take any
@@ -239,6 +204,3 @@ class SlotAllocator:
             for s in self.reserved.pop(key):
                 bisect.insort(self.free, s)
             self.extent_len.pop(key, None)
-
-    def reserved_count(self) -> int:
-        return sum(len(v) for v in self.reserved.values())

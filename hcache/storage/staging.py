@@ -33,7 +33,6 @@ class StagedBatch:
     hidden: dict[int, torch.Tensor]  # layer -> [rows, hidden]
     kv: dict[int, torch.Tensor]  # layer -> [rows, 2, kv_dim]
     segments: list[Segment] = field(default_factory=list)
-    tokens: dict[str, list[int]] = field(default_factory=dict)  # owner -> the token ids of its rows
 
 
 class StagingRing:

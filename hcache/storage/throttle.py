@@ -32,10 +32,6 @@ class TokenBucket:
             self.tokens -= n
             return now + (-self.tokens / self.rate if self.tokens < 0 else 0.0)
 
-    def take(self, n: int) -> float:
-        """Block until `n` bytes may go; returns the seconds waited."""
-        return wait_until(self.reserve(n))
-
 
 def wait_until(when: float) -> float:
     delay = when - time.monotonic()

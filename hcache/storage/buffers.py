@@ -1,0 +1,118 @@
+"""Buffer pools: slot-sized chunk buffers for saving and layer-sized buffers for reading,
+both reused because fresh memory costs page faults (and, pinned on CUDA, device stalls)."""
+
+from __future__ import annotations
+
+import math
+import mmap
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import torch
+
+from hcache.storage.layout import ChunkShape, Kind
+from hcache.storage.slab import HUGE_PAGE, aligned_buffer
+from hcache.storage.stats import StoreStats
+
+T = TypeVar("T")
+
+
+@dataclass
+class ChunkBuf:
+    """A chunk being filled: `t` is the chunk-shaped tensor over the aligned slot memory `mem`."""
+
+    mem: memoryview
+    t: torch.Tensor
+
+
+class ChunkBuffers(Generic[T]):
+    """Slot-sized, page-aligned chunk buffers, recycled: the packer fills them and the
+    writer hands them to O_DIRECT as they are, with no copy into a bounce buffer.
+    `wrap(mem)` builds whatever per-buffer object the caller wants, once per buffer."""
+
+    GROW = 64
+
+    def __init__(self, slot_bytes: int, wrap: Callable[[memoryview], T]):
+        self.slot_bytes, self.wrap = slot_bytes, wrap
+        self.free: list[T] = []
+        self.lock = threading.Lock()
+        self._arenas: list[mmap.mmap] = []
+
+    def take(self) -> T:
+        with self.lock:
+            if not self.free:
+                arena = aligned_buffer(self.GROW * self.slot_bytes)
+                self._arenas.append(arena)
+                view = memoryview(arena)
+                self.free = [self.wrap(view[i * self.slot_bytes : (i + 1) * self.slot_bytes]) for i in range(self.GROW)]
+            return self.free.pop()
+
+    def give(self, buf: T) -> None:
+        with self.lock:
+            self.free.append(buf)
+
+
+ChunkPools = dict[Kind, ChunkBuffers[ChunkBuf]]
+
+
+def chunk_pools(shapes: dict[Kind, ChunkShape]) -> ChunkPools:
+    """One pool of chunk buffers per kind. Rows past a tail's count are never read back, so
+    a buffer is not zeroed between uses."""
+    return {k: ChunkBuffers(s.slot_bytes, _chunk_view(s)) for k, s in shapes.items()}
+
+
+def _chunk_view(shape: ChunkShape) -> Callable[[memoryview], ChunkBuf]:
+    def wrap(mem: memoryview) -> ChunkBuf:
+        t = torch.frombuffer(mem, dtype=torch.uint8)[: shape.nbytes].view(shape.dtype).view(shape.shape)
+        return ChunkBuf(mem, t)
+
+    return wrap
+
+
+class LayerBuffers:
+    """Layer-sized read buffers, reused across restores. One pool serves H and KV layers of
+    any length, so a restore of one kind after another of the other finds buffers to reuse."""
+
+    def __init__(self, dtype: torch.dtype, pinned: bool, prefetch_bytes: int, prefetch_layers: int, stats: StoreStats):
+        self.dtype, self.pinned, self.stats = dtype, pinned, stats
+        self.prefetch_bytes, self.prefetch_layers = prefetch_bytes, prefetch_layers
+        self.free: list[torch.Tensor] = []  # least recently returned first
+        self._pooled_bytes = 0
+        self.lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """The smallest free buffer that is large enough, whatever it last held; new ones are
+        rounded up to whole huge pages."""
+        n = max(1, math.prod(shape))
+        with self.lock:
+            sizes = [f.numel() for f in self.free]
+            best = min((i for i, k in enumerate(sizes) if k >= n), key=sizes.__getitem__, default=None)
+            flat = self.free.pop(best) if best is not None else None
+            if flat is not None:
+                self._pooled_bytes -= flat.nbytes
+            else:
+                self.stats.count_buffer_allocated()
+        if flat is None:  # pinned on CUDA: the restorer's host-to-device copies then run async
+            item = self.dtype.itemsize
+            size = -(-n * item // HUGE_PAGE) * HUGE_PAGE // item
+            flat = (
+                torch.empty(size, dtype=self.dtype, pin_memory=True)
+                if self.pinned  # page-aligned too (cudaHostAlloc); the reader checks before reading in place
+                else torch.frombuffer(aligned_buffer(size * item), dtype=self.dtype, count=size)
+            )
+        return flat[:n].view(shape)
+
+    def give(self, t: torch.Tensor) -> None:
+        """Keep what two restores' read-ahead holds (the layer window or `prefetch_bytes`, and a
+        little more), so the next restore allocates nothing; over that, the least recently
+        returned go."""
+        flat = t._base if t._base is not None else t
+        with self.lock:
+            self.free.append(flat)
+            self._pooled_bytes += flat.nbytes
+            largest = max(f.nbytes for f in self.free)  # a small tail must not empty the pool
+            keep = 2 * max(self.prefetch_bytes, (self.prefetch_layers + 2) * largest)
+            while self._pooled_bytes > keep:
+                self._pooled_bytes -= self.free.pop(0).nbytes

@@ -1,0 +1,169 @@
+"""Where chunks live: every directory's slab files and slot allocators, and the in-memory
+index of committed chunks with their write versions, kept in step under one lock."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from pathlib import Path
+
+from hcache.config import StorageConfig
+from hcache.storage.errors import StorageFull, UnknownOwner
+from hcache.storage.layout import CHUNK_TOKENS, ChunkShape, Kind, home_dir, parse_slab
+from hcache.storage.manifest import ChunkRow, Manifest
+from hcache.storage.slab import SlabFile, SlotAllocator
+from hcache.storage.stats import StoreStats
+
+ChunkIndex = dict[tuple[int, str], dict[int, ChunkRow]]  # (layer, kind) -> chunk index -> row
+
+
+class Placement:
+    def __init__(
+        self,
+        dirs: list[Path],
+        manifest: Manifest,
+        shapes: dict[Kind, ChunkShape],
+        cfg: StorageConfig,
+        stats: StoreStats,
+    ):
+        self.dirs, self.manifest = dirs, manifest
+        self.direct_io, self.quota_bytes = cfg.direct_io, cfg.quota_bytes
+        self.lock = threading.RLock()
+        self.slabs: dict[tuple[int, str], SlabFile] = {}
+        self.allocs: dict[tuple[int, str], SlotAllocator] = {}
+        self.index: dict[str, ChunkIndex] = {}
+        self.seqs: dict[tuple[str, int, int, str], int] = {}  # the newest committed write of each chunk
+        self._recover({s.slab for s in shapes.values()}, stats)
+
+    def _recover(self, names: set[str], stats: StoreStats) -> None:
+        """Rebuild slot maps from the manifest: unreferenced slots are free, and slab
+        tails past the last referenced slot are cut off; chunks wholly past an owner's
+        durable tokens (a turn that never finished) are dropped."""
+        owners = {o.owner: o for o in self.manifest.owners()}
+        rows = self.manifest.chunks()
+        stale = [r for r in rows if r.owner not in owners or r.idx * CHUNK_TOKENS >= owners[r.owner].num_tokens]
+        if stale:
+            self.manifest.delete_chunks(stale)
+            stats.dropped_stale_chunks = len(stale)
+        stale_set = set(stale)
+        used: dict[tuple[int, str], set[int]] = defaultdict(set)
+        for o in owners:
+            self.index[o] = defaultdict(dict)
+        for r in rows:
+            if r not in stale_set:
+                used[(r.dir, r.slab)].add(r.slot)
+                self.index[r.owner][(r.layer, r.kind)][r.idx] = r
+        names = names | {k[1] for k in used}
+        for d, path in enumerate(self.dirs):
+            names_here = names | {p.name[: -len(".slab")] for p in path.glob("*.slab")}
+            for name in names_here:
+                slab = self.slab(d, name)
+                slots = used.get((d, name), set())
+                keep = max(slots) + 1 if slots else 0
+                high = slab.num_slots
+                stats.recovered_orphan_slots += max(0, high - keep) + (keep - len(slots))
+                if high > keep:
+                    slab.truncate(keep)
+                self.allocs[(d, name)] = SlotAllocator(slots, keep)
+
+    def slab(self, d: int, name: str) -> SlabFile:
+        key = (d, name)
+        with self.lock:
+            if key not in self.slabs:
+                self.slabs[key] = SlabFile(self.dirs[d] / f"{name}.slab", parse_slab(name)[2], self.direct_io)
+                self.allocs.setdefault(key, SlotAllocator(set(), self.slabs[key].num_slots))
+            return self.slabs[key]
+
+    # --- slots ------------------------------------------------------------------
+    def place(self, shape: ChunkShape, owner: str, layer: int, idx: int, full: bool) -> tuple[int, int]:
+        """A slot for chunk `idx` of `layer`: in its home directory, or the next one with room.
+        Returns (directory, slot); full chunks come from the owner's layer's extent."""
+        n = len(self.dirs)
+        with self.lock:
+            for step in range(n):
+                d = (home_dir(layer, idx, n) + step) % n
+                self.slab(d, shape.slab)
+                slot = self.allocs[(d, shape.slab)].allocate((owner, layer) if full else None, self._room(d, shape))
+                if slot is not None:
+                    return d, slot
+        raise StorageFull(f"all {n} storage directories are full (quota {self.quota_bytes} bytes each)")
+
+    def _room(self, d: int, shape: ChunkShape) -> int:
+        """Slots the quota still allows to be added to directory `d`'s slab files."""
+        if not self.quota_bytes:
+            return 1 << 40
+        allocated = sum(a.high * parse_slab(name)[2] for (dd, name), a in self.allocs.items() if dd == d)
+        return max(0, (self.quota_bytes - allocated) // shape.slot_bytes)
+
+    def release(self, d: int, slab: str, slot: int) -> None:
+        if slot < 0:
+            return
+        with self.lock:
+            self.allocs[(d, slab)].release(slot)
+
+    def dir_usage(self, d: int) -> tuple[int, int, int]:
+        """Directory `d`'s bytes in committed chunks' slots, bytes of slab files, and chunks."""
+        used = slab_bytes = chunks = 0
+        with self.lock:
+            for (dd, name), a in self.allocs.items():
+                if dd == d:
+                    slot = parse_slab(name)[2]
+                    used += a.num_used * slot
+                    slab_bytes += a.high * slot
+                    chunks += a.num_used
+        return used, slab_bytes, chunks
+
+    # --- the index ----------------------------------------------------------------
+    def commit(self, rows: list[ChunkRow], seqs: list[int]) -> None:
+        """Commit written chunks (`seqs`: their write versions) in one manifest transaction;
+        a chunk whose owner is gone, or whose newer version is already committed, is dropped.
+        Slots no row references any more are freed."""
+        with self.lock:
+            keep, drop = [], []
+            for r, seq in zip(rows, seqs, strict=True):
+                key = (r.owner, r.layer, r.idx, r.kind)
+                if r.owner not in self.index or self.seqs.get(key, 0) > seq:
+                    drop.append(r)
+                else:
+                    keep.append(r)
+                    self.seqs[key] = seq
+            replaced = self.manifest.commit_chunks(keep)
+            for r in keep:
+                self.index[r.owner][(r.layer, r.kind)][r.idx] = r
+            for r in replaced + drop:
+                self.release(r.dir, r.slab, r.slot)
+
+    def chunk_index(self, owner: str) -> ChunkIndex:
+        """A copy of the owner's committed chunks."""
+        with self.lock:
+            if owner not in self.index:
+                raise UnknownOwner(f"unknown owner {owner}")
+            return {k: dict(v) for k, v in self.index[owner].items()}
+
+    def add_owner(self, owner: str) -> None:
+        with self.lock:
+            self.index[owner] = defaultdict(dict)
+
+    def forget_versions(self, owner: str) -> None:
+        """The owner's next writes start a new history (after a truncation or a deletion)."""
+        with self.lock:
+            for key in [k for k in self.seqs if k[0] == owner]:
+                del self.seqs[key]
+
+    def drop_owner(self, owner: str) -> None:
+        """Delete the owner and its chunk rows from the manifest and free its slots."""
+        with self.lock:
+            rows = self.manifest.delete_owner(owner)
+            self.index.pop(owner, None)
+            for r in rows:
+                self.release(r.dir, r.slab, r.slot)
+            for key, alloc in self.allocs.items():
+                alloc.drop_reservations(owner)
+                high = alloc.trim()
+                if high < self.slab(*key).num_slots:
+                    self.slab(*key).truncate(high)  # give trailing space back to the filesystem
+
+    def close(self) -> None:
+        for s in self.slabs.values():
+            s.close()
+        self.slabs = {}

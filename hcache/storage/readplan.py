@@ -1,0 +1,214 @@
+"""Read planning, as pure functions: which chunks a restore wants, the requests that read
+them (in the order layers are consumed), and where each slot of a request lands."""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import operator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from hcache.storage.errors import ChunkError
+from hcache.storage.layout import CHUNK_TOKENS, Kind, num_chunks
+from hcache.storage.manifest import ChunkRow
+
+Target = memoryview | tuple[int, int]  # bytes to read into, or (offset, length) in the bounce buffer
+
+
+@dataclass
+class Request:
+    dir: int
+    slab: str
+    first: int
+    count: int
+    chunks: list[ChunkRow]
+    min_layer: int
+    not_before: float = 0.0  # under a read cap: when its bytes may go (booked in layer order)
+
+
+@dataclass(frozen=True)
+class Want:
+    """Tokens `lo:hi` of one layer's `kind` (`lo` on a chunk boundary)."""
+
+    layer: int
+    kind: Kind
+    lo: int
+    hi: int
+
+
+_SLOT, _LAYER, _IDX, _DIR, _SLAB = map(operator.attrgetter, ("slot", "layer", "idx", "dir", "slab"))
+_NTOKENS = operator.attrgetter("ntokens")
+
+
+def wanted_chunks(owner: str, w: Want, have: dict[int, ChunkRow]) -> list[ChunkRow] | ChunkError:
+    """`w`'s chunks out of `have` (index -> row), or the error naming the first one that is
+    missing or holds too few tokens. The usual case (every chunk there, all full but the
+    last) is checked with C-level calls: this runs before a restore's first read."""
+    first, last = w.lo // CHUNK_TOKENS, num_chunks(w.hi)
+    wanted = range(first, last)
+    got = list(map(have.__getitem__, wanted)) if set(wanted) <= have.keys() else None
+    if got and (
+        min(map(_NTOKENS, got[:-1]), default=CHUNK_TOKENS) < CHUNK_TOKENS
+        or got[-1].ntokens < w.hi - (last - 1) * CHUNK_TOKENS
+    ):
+        got = None
+    return got if got is not None else _first_bad(owner, w, have)
+
+
+def _first_bad(owner: str, w: Want, have: dict[int, ChunkRow]) -> ChunkError:
+    for idx in range(w.lo // CHUNK_TOKENS, num_chunks(w.hi)):
+        r, need = have.get(idx), min(CHUNK_TOKENS, w.hi - idx * CHUNK_TOKENS)
+        if r is None or r.ntokens < need:
+            return ChunkError(owner, w.layer, idx, "missing" if r is None else f"holds {r.ntokens} < {need} tokens")
+    raise AssertionError("no bad chunk")
+
+
+def plan_requests(
+    rows: list[ChunkRow],
+    slot_bytes: dict[str, int],
+    max_bytes: int,
+    max_gap: int = 2,
+    first_bytes: int = 0,
+    ahead: int = 1 << 30,
+) -> Iterator[Request]:
+    """Requests, made as they are asked for, in the order a restore consumes layers. Each
+    starts at the earliest chunk of the lowest layer not yet asked for and runs forward over
+    wanted slots of its slab at most `max_gap` apart, taking other layers' chunks too when
+    they are less than `ahead` layers later (needed soon anyway), so a layer is whole after
+    the requests that precede the next layer's, however its extents are spread through the
+    slab. A slab's first request is at most `first_bytes` and each next one may be twice the
+    last, up to `max_bytes`: the first layers arrive soon, and the bulk comes in requests
+    large enough for the device's full bandwidth.
+
+    It works on extents (one layer's chunks in nearby slots, rising indices), not chunks,
+    and yields each request as it is made, so the first read starts while later ones are
+    planned."""
+    n = len(rows)
+    if not n:
+        return
+    slabs = list(slot_bytes)
+    slab_of = {name: i for i, name in enumerate(slabs)}
+    grp = np.fromiter(map(_DIR, rows), np.int64, n) * len(slabs)
+    grp += np.fromiter(map(slab_of.__getitem__, map(_SLAB, rows)), np.int64, n)
+    slot = np.fromiter(map(_SLOT, rows), np.int64, n)
+    layer = np.fromiter(map(_LAYER, rows), np.int64, n)
+    idx = np.fromiter(map(_IDX, rows), np.int64, n)
+    o = np.lexsort((slot, grp))  # slab by slab, in slot order
+    g, s, lay, ix = grp[o], slot[o], layer[o], idx[o]
+    cut = np.ones(n, dtype=bool)
+    cut[1:] = (g[1:] != g[:-1]) | (s[1:] - s[:-1] > max_gap) | (lay[1:] != lay[:-1]) | (ix[1:] <= ix[:-1])
+    starts = np.flatnonzero(cut).tolist()
+    ends = [*starts[1:], n]
+    s_, g_, lay_, ix_ = s.tolist(), g.tolist(), lay.tolist(), ix.tolist()
+    by_slot = [rows[i] for i in o.tolist()]
+    per_slot = [slot_bytes[name] for name in slabs]
+    size = dict.fromkeys(g[starts].tolist(), min(first_bytes or max_bytes, max_bytes))
+    off = list(starts)  # an extent's first position not yet asked for (taken parts are prefixes)
+    heap = [(lay_[p], ix_[p], e) for e, p in enumerate(starts)]
+    heapq.heapify(heap)
+    while heap:
+        lo_layer, lo_idx, e = heapq.heappop(heap)
+        p = off[e]
+        if p == ends[e]:
+            continue
+        if ix_[p] != lo_idx:  # an earlier request took this extent's head: queue the rest
+            heapq.heappush(heap, (lo_layer, ix_[p], e))
+            continue
+        k = g_[p]
+        first, stop = s_[p], lo_layer + ahead
+        bound = first + max(1, size[k] // per_slot[k % len(slabs)])  # slots at or past this do not fit
+        j, f = p, e
+        while True:
+            q = bisect.bisect_left(s_, bound, j, ends[f])
+            off[f] = q
+            if q < ends[f]:  # the size bound cut this extent: its rest is queued again
+                if f == e:
+                    heapq.heappush(heap, (lo_layer, ix_[q], e))
+                j = q
+                break
+            j, f = q, f + 1
+            # on into the next extent of the slab: untouched, near enough, soon needed
+            if f == len(starts) or off[f] != starts[f] or g_[j] != k or lay_[j] >= stop or s_[j] - s_[j - 1] > max_gap:
+                break
+        last = s_[j - 1]
+        size[k] = min(2 * size[k], max_bytes)
+        yield Request(k // len(slabs), slabs[k % len(slabs)], first, last - first + 1, by_slot[p:j], lo_layer)
+
+
+def scatter_plan(
+    q: Request,
+    piece: int,
+    sb: int,
+    dest: Callable[[ChunkRow], tuple[memoryview | None, Want]],
+    discard: memoryview,
+) -> tuple[list[Target], list[list[memoryview] | None]]:
+    """The request's slots (`sb` bytes each, holding `piece` bytes of chunk) as read targets,
+    in file order. A full chunk lands in place in its layer's buffer, so no copy follows the
+    read: `dest(r)` gives that buffer's bytes (None where chunks cannot land in place) and
+    the rows it wants. Unwanted slots between wanted ones go to the shared `discard` area;
+    tails and chunks that cannot land in place go to the bounce buffer, as `(offset, length)`
+    of their slot until one is taken. Returns the targets and, per chunk of `q.chunks`, its
+    bytes in place for the checksum (None: in the bounce buffer). Built a run at a time (a
+    layer's chunks in consecutive slots) because it runs on a reader thread between two reads."""
+    step = piece // CHUNK_TOKENS  # bytes per token row
+    # chunks land in place only when their rows are whole pages, so their slots have no padding
+    targets: list[Target] = []
+    parts: list[list[memoryview] | None] = []
+    chunks, n = q.chunks, len(q.chunks)
+    nxt, i = q.first, 0  # the next slot not yet targeted; the run's first chunk
+    while i < n:
+        r = chunks[i]
+        if r.slot > nxt:
+            skip(targets, (r.slot - nxt) * sb, discard)
+        mem, want = dest(r)
+        if mem is None or is_tail(r, want.hi):  # a tail: its valid rows only
+            targets.append(((r.slot - q.first) * sb, sb))
+            parts.append(None)
+            nxt, i = r.slot + 1, i + 1
+            continue
+        j = run_end(chunks, i, want.hi // CHUNK_TOKENS)
+        k = j - i
+        gap = chunks[i + 1].idx - r.idx if k > 1 else 1
+        o = (r.idx * CHUNK_TOKENS - want.lo) * step
+        stride = gap * piece
+        pieces = [mem[x : x + piece] for x in range(o, o + k * stride, stride)]
+        # consecutive chunks are consecutive token rows: one target, one segment of the request
+        targets.extend([mem[o : o + k * piece]] if gap == 1 else pieces)
+        parts.extend([[p] for p in pieces])
+        nxt, i = r.slot + k, j
+    return targets, parts
+
+
+def skip(targets: list[Target], n: int, discard: memoryview) -> None:
+    """Bytes nobody reads: any number of them share the discard area."""
+    while n > 0:
+        k = min(n, len(discard))
+        targets.append(discard[:k])
+        n -= k
+
+
+def run_end(chunks: list[ChunkRow], i: int, full: int) -> int:
+    """End of the run from `chunks[i]`: the same layer's next chunks in the next slots, with
+    evenly spaced indices (chunk c of a layer lives in directory (layer + c) mod N), none a
+    tail (an index from `full` on). A run lands in place, or is copied out of the bounce
+    buffer, in one go."""
+    r, n = chunks[i], len(chunks)
+    nxt = chunks[i + 1] if i + 1 < n else r
+    gap = nxt.idx - r.idx
+    j = i + 1
+    while j < n and gap > 0:
+        c = chunks[j]
+        if c.slot != r.slot + j - i or c.layer != r.layer or c.kind != r.kind:
+            break
+        if c.idx != r.idx + (j - i) * gap or c.idx >= full:
+            break
+        j += 1
+    return j
+
+
+def is_tail(r: ChunkRow, hi: int) -> bool:
+    """Does chunk `r` reach past token `hi` (the end of the rows wanted)?"""
+    return (r.idx + 1) * CHUNK_TOKENS > hi

@@ -1,0 +1,35 @@
+"""A store's counters. The parts that count (readers, the verifier, the buffer pool) get
+this object and bump it through its methods, which several threads call at once."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StoreStats:
+    checksum_failures: int = 0
+    ring_waits: int = 0
+    ring_wait_seconds: float = 0.0
+    recovered_orphan_slots: int = 0
+    dropped_stale_chunks: int = 0
+    bytes_read: int = 0
+    read_bytes_by_dir: list[int] = field(default_factory=list)
+    read_buffers_allocated: int = 0  # fresh layer buffers (pinned on CUDA: slow to allocate)
+    chunks_read_in_place: int = 0  # read straight into a layer buffer (the rest are copied from a bounce buffer)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count_read(self, nbytes: int, d: int, in_place: int = 0) -> None:
+        with self._lock:
+            self.bytes_read += nbytes
+            self.read_bytes_by_dir[d] += nbytes
+            self.chunks_read_in_place += in_place
+
+    def count_checksum_failure(self) -> None:
+        with self._lock:
+            self.checksum_failures += 1
+
+    def count_buffer_allocated(self) -> None:
+        with self._lock:
+            self.read_buffers_allocated += 1
