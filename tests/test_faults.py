@@ -56,13 +56,13 @@ def test_full_directory_refuses_the_turn_and_keeps_state(default_model, tmp_path
         s = eng.create_session(SYSTEM)
         _, _ = turn(eng, s.id, message=TURNS[0], params=p)
         before = store.owner_row(s.id)
-        store.cfg.quota_bytes = store.usage()[0].slab_bytes  # the directory is now full
+        store.set_quota(store.usage()[0].slab_bytes)  # the directory is now full
         with pytest.raises(ResourceExhausted, match="full"):
             turn(eng, s.id, message=LONG[:3000], params=p)  # needs new slots for full chunks
         after = store.owner_row(s.id)
         assert (after.tokens, after.meta) == (before.tokens, before.meta)
         assert not eng.get(s.id).busy and not eng.get(s.id).resident
-        store.cfg.quota_bytes = 0  # the operator makes room
+        store.set_quota(0)  # the operator makes room
         # the session goes on from its last durable turn, exactly
         got2, _ = turn(eng, s.id, message=TURNS[1], params=p)
         assert tok.decode(got2) == expected(m, tok, TURNS[:1], TURNS[1], p)

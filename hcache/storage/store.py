@@ -259,6 +259,10 @@ class ChunkStore:
         """Cap restore reads at `mbps` MB/s (0 lifts the cap)."""
         self.throttle.set_rate(mbps * 1e6)
 
+    def set_quota(self, nbytes: int) -> None:
+        """Each directory's quota from now on (0: the filesystem's free space is the limit)."""
+        self.cfg.quota_bytes = self.placement.quota_bytes = nbytes
+
     # --- accounting -------------------------------------------------------------
     def usage(self) -> list[DirUsage]:
         out = []
