@@ -43,7 +43,7 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--profile", help="a profile JSON from `hcache profile`")
     plan.add_argument("--tflops", type=float, help="hypothetical machine: peak compute")
     plan.add_argument("--io-gbps", type=float, help="hypothetical machine: storage read bandwidth")
-    plan.add_argument("--cap-mbps", type=float, help="read bandwidth cap")
+    plan.add_argument("--cap-gbps", type=float, help="read bandwidth cap in GB/s")
     plan.add_argument("--json", action="store_true")
     serve = sub.add_parser("serve", help="the gRPC service (default model, default store, port 50051)")
     _common(serve)
@@ -56,7 +56,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--store-kinds", default="auto", choices=["auto", "kv", "hidden", "both"])
     serve.add_argument("--max-batch", type=int, default=32)
     serve.add_argument("--sequential", action="store_true", help="restore fully before prefill (no fusing)")
-    serve.add_argument("--read-cap-mbps", type=float, default=0.0)
+    serve.add_argument("--read-cap-gbps", type=float, default=0.0, help="restore read cap in GB/s (0: none)")
     serve.add_argument(
         "--restore-method",
         default="auto",
@@ -127,14 +127,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(cfg: Config, args: argparse.Namespace) -> int:
     import logging
-    from pathlib import Path
 
-    from hcache.restore.profile import Profile
     from hcache.server import app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.dirs:
-        cfg.storage_dirs = args.dirs
+        cfg.storage.dirs = args.dirs
+    cfg.storage.read_cap_gbps, cfg.profile = args.read_cap_gbps, args.profile or ""
     cfg.server.host, cfg.server.port, cfg.server.drain_seconds = args.host, args.port, args.drain_seconds
     cfg.server.http_port = args.http_port
     cfg.server.api_keys_file, cfg.server.tls_cert_file, cfg.server.tls_key_file = (
@@ -145,13 +144,12 @@ def _serve(cfg: Config, args: argparse.Namespace) -> int:
     cfg.server.max_message_bytes = args.max_message_mb << 20
     e = cfg.engine
     e.kv_budget_bytes, e.store_kinds, e.max_batch = args.kv_budget_mb << 20, args.store_kinds, args.max_batch
-    e.fused, e.read_cap_mbps, e.restore_method = not args.sequential, args.read_cap_mbps, args.restore_method
+    e.fused, e.restore_method = not args.sequential, args.restore_method
     e.max_sessions_per_tenant, e.max_storage_bytes_per_tenant = (
         args.max_sessions_per_key,
         args.max_storage_mb_per_key << 20,
     )
-    profile = Profile.load(Path(args.profile)) if args.profile else None
-    return app.serve(cfg, profile)
+    return app.serve(cfg)
 
 
 def _profile(cfg: Config, args: argparse.Namespace) -> int:
@@ -160,7 +158,7 @@ def _profile(cfg: Config, args: argparse.Namespace) -> int:
     from hcache.model.loader import load
     from hcache.restore import profiler
 
-    dirs = [Path(d) for d in (args.dirs or cfg.storage_dirs)]
+    dirs = [Path(d) for d in (args.dirs or cfg.storage.dirs)]
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
     model = load(cfg.model, cfg.dtype).model
@@ -209,8 +207,7 @@ def _plan(args: argparse.Namespace) -> int:
         if not cached:
             raise ValueError("no profile: run `hcache profile`, or pass --profile FILE or --tflops T --io-gbps B")
         prof = Profile.load(cached[-1])
-    cap = args.cap_mbps / 1000 if args.cap_mbps else None
-    res = partition(geom, prof, args.tokens, cap)
+    res = partition(geom, prof, args.tokens, args.cap_gbps or None)
     if args.json:
         print(json.dumps(res.to_json(), indent=2))
     else:

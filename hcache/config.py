@@ -148,7 +148,7 @@ def hcache_home() -> Path:
 
 @dataclass
 class StorageConfig:
-    dirs: list[str]
+    dirs: list[str] = field(default_factory=lambda: [str(hcache_home() / "store")])
     quota_bytes: int = 0  # per directory; 0 means the filesystem's free space is the limit
     staging_bytes: int = 64 << 20
     direct_io: bool = True
@@ -159,7 +159,7 @@ class StorageConfig:
     prefetch_layers: int = 12
     prefetch_bytes: int = 128 << 20  # ... or more layers while those hold less than this
     fsync_group_bytes: int = 16 << 20
-    read_cap_mbps: float = 0.0  # 0: no cap; otherwise a token bucket on restore reads
+    read_cap_gbps: float = 0.0  # restore reads capped by a token bucket, in GB/s (0: no cap)
 
 
 @dataclass
@@ -172,7 +172,6 @@ class EngineConfig:
     fused: bool = True  # prefill layer l as soon as layer l's KV is restored
     store_kinds: str = "auto"  # per layer: auto (the planner's choice) | kv | hidden | both
     plan_tokens: int = 4096  # the session length the storage choice is planned for
-    read_cap_mbps: float = 0.0  # restore read cap (0: none)
     max_sessions_per_tenant: int = 0  # per API key (0: no limit)
     max_storage_bytes_per_tenant: int = 0  # stored state per API key (0: no limit)
     restore_method: str = "auto"  # what Generate restores by: auto | kv | hidden | recompute (benchmarks)
@@ -198,8 +197,8 @@ class Config:
     model: str = "default"  # "default" (SmolLM2-135M-Instruct GGUF), a .gguf file or an HF folder
     dtype: str = "float32"  # float32 | bfloat16
     device: str = "cpu"
-    threads: int = 0  # 0: leave torch's default
-    storage_dirs: list[str] = field(default_factory=lambda: [str(hcache_home() / "store")])
+    profile: str = ""  # a profile JSON (empty: measure this machine once, then reuse it)
     profile_dir: str = field(default_factory=lambda: str(hcache_home() / "profiles"))
+    storage: StorageConfig = field(default_factory=StorageConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)

@@ -119,7 +119,7 @@ class ChunkStore:
         self.pinned = torch.device(device).type == "cuda" and torch.cuda.is_available()
         self.stats = StoreStats(read_bytes_by_dir=[0] * len(self.dirs))
         self.on_flush: Callable[[int, float], None] | None = None  # (directory, seconds) per written group
-        self.throttle = TokenBucket(cfg.read_cap_mbps * 1e6)
+        self.throttle = TokenBucket(cfg.read_cap_gbps * 1e9)
         self._recover()
         self.ring = StagingRing(cfg.staging_bytes, model.hidden_size, model.kv_dim, dtype, torch.device(device))
         self.packer = Packer(self)
