@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from hcache import config
 from hcache.config import Config
 from hcache.flags import add_config_flags, to_config
 from hcache.malloc import tune_allocator
@@ -45,7 +46,16 @@ def parser(base: Config | None = None) -> argparse.ArgumentParser:
     plan.add_argument("--io-gbps", type=float, help="hypothetical machine: storage read bandwidth")
     plan.add_argument("--cap-gbps", type=float, help="read bandwidth cap in GB/s")
     plan.add_argument("--json", action="store_true")
-    serve = sub.add_parser("serve", help="the gRPC service (default model, default store, port 50051)")
+    serve = sub.add_parser(
+        "serve",
+        help="the gRPC service (default model, default store, port 50051)",
+        description="Settings come from the flags given, then --config FILE, then the defaults shown.",
+    )
+    serve.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a TOML file: top-level model, dtype, ... and tables [storage], [engine], [server] (README)",
+    )
     _common(serve, base, only=None)
     chat = sub.add_parser("chat", help="terminal chat client (/restore, /evict, /stats)")
     chat.add_argument("--target", default="localhost:50051")
@@ -61,8 +71,11 @@ def parser(base: Config | None = None) -> argparse.ArgumentParser:
 
 
 def configure(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
-    """The parsed flags and the Config they make."""
+    """The parsed flags and the Config they make: flags given win over the --config file,
+    which wins over the defaults (the file's values become the flags' defaults)."""
     args = parser().parse_args(argv)
+    if getattr(args, "config", None):
+        args = parser(config.load(args.config)).parse_args(argv)
     return args, to_config(args)
 
 

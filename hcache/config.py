@@ -4,10 +4,16 @@ Hugging Face `config.json` or a GGUF header; `Config` is what the service runs w
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the same parser, before it joined the standard library
+    import tomli as tomllib
 
 ARCH_LLAMA = "llama"
 ARCH_OPT = "opt"
@@ -242,7 +248,7 @@ class ServerConfig:
 
 @dataclass
 class Config:
-    """What `hcache` runs with: defaults here, then flags."""
+    """What `hcache` runs with: defaults here, then a TOML file (`hcache serve --config`), then flags."""
 
     model: str = setting("default", "'default' (SmolLM2-135M-Instruct GGUF), a .gguf file or an HF folder")
     dtype: str = setting("float32", "weights and activations", choices=("float32", "bfloat16"))
@@ -254,3 +260,56 @@ class Config:
     storage: StorageConfig = field(default_factory=StorageConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be read, or has an unknown key or a value of the wrong type."""
+
+
+def load(path: str | Path) -> Config:
+    """A Config from a TOML file: top-level keys for Config's own fields, tables [storage],
+    [engine] and [server] for the sections; what the file leaves out keeps its default."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    cfg = Config()
+    _fill(cfg, data, str(path), "")
+    return cfg
+
+
+def _fill(obj: Any, data: dict[str, Any], where: str, prefix: str) -> None:
+    known = {f.name: f for f in fields(obj)}
+    types = get_type_hints(type(obj))
+    for key, value in data.items():
+        name = prefix + key
+        if key not in known:
+            raise ConfigError(f"{where}: unknown key {name!r} (known here: {', '.join(known)})")
+        if is_dataclass(types[key]):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: {name} must be a table ([{name}])")
+            _fill(getattr(obj, key), value, where, f"{name}.")
+        else:
+            setattr(obj, key, _checked(value, types[key], known[key].metadata.get("choices", ()), f"{where}: {name}"))
+
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _checked(value: Any, typ: Any, choices: tuple[str, ...], what: str) -> Any:
+    if typ is float and type(value) is int:
+        value = float(value)
+    if get_origin(typ) is list:
+        (item,) = get_args(typ)
+        ok = isinstance(value, list) and len(value) > 0 and all(type(v) is item for v in value)
+        want = f"a non-empty list of {_TYPE_NAMES[item].removeprefix('a ')}s"  # as its flag's nargs="+"
+    else:
+        ok, want = type(value) is typ, _TYPE_NAMES[typ]  # `is`: TOML's true is no integer here
+    if not ok:
+        raise ConfigError(f"{what} must be {want}, not {value!r}")
+    if choices and value not in choices:
+        raise ConfigError(f"{what} must be one of {', '.join(choices)}, not {value!r}")
+    return value
