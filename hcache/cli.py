@@ -7,31 +7,32 @@ import os
 import sys
 from pathlib import Path
 
+from hcache import config
 from hcache.config import Config
+from hcache.flags import add_config_flags, to_config
 from hcache.malloc import tune_allocator
 from hcache.storage.errors import StorageError
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    """Model options."""
-    p.add_argument(
-        "--model", default="default", help="'default' (SmolLM2-135M-Instruct GGUF), a .gguf file or an HF folder"
-    )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+def _common(p: argparse.ArgumentParser, base: Config, only: tuple[str, ...] | None = ("model", "dtype")) -> None:
+    """Model options (with `only=None`, every config flag) and torch's thread count."""
+    add_config_flags(p, base, only)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(base: Config | None = None) -> argparse.ArgumentParser:
+    """The command line; the config flags' defaults come from `base` (default: Config())."""
+    base = base or Config()
     ap = argparse.ArgumentParser(prog="hcache", description="stateful LLM serving with hidden-state KV restoration")
     sub = ap.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="3-turn chat; KV dropped and restored by every path after each turn")
-    _common(demo)
+    _common(demo, base)
     demo.add_argument("--max-new-tokens", type=int, default=64)
     fsck = sub.add_parser("fsck", help="verify a store's chunks and manifest; --repair fixes what it can")
     fsck.add_argument("--dirs", nargs="+", required=True, help="the store's directories, in their original order")
     fsck.add_argument("--repair", action="store_true")
     prof = sub.add_parser("profile", help="measure this machine for the restore planner (cached)")
-    _common(prof)
+    _common(prof, base)
     prof.add_argument("--dirs", nargs="+", help="storage directories to measure (default: the store's)")
     prof.add_argument("--reprofile", action="store_true", help="measure again even if a profile is cached")
     plan = sub.add_parser("plan", help="what restore plan hcache would use for a model on a machine")
@@ -43,33 +44,19 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--profile", help="a profile JSON from `hcache profile`")
     plan.add_argument("--tflops", type=float, help="hypothetical machine: peak compute")
     plan.add_argument("--io-gbps", type=float, help="hypothetical machine: storage read bandwidth")
-    plan.add_argument("--cap-mbps", type=float, help="read bandwidth cap")
+    plan.add_argument("--cap-gbps", type=float, help="read bandwidth cap in GB/s")
     plan.add_argument("--json", action="store_true")
-    serve = sub.add_parser("serve", help="the gRPC service (default model, default store, port 50051)")
-    _common(serve)
-    serve.add_argument("--dirs", nargs="+", help="storage directories (default: $HCACHE_HOME/store)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=50051)
-    serve.add_argument("--http-port", type=int, default=8000, help="metrics, health and dashboard (-1: off)")
-    serve.add_argument("--profile", help="a profile JSON (default: measure this machine once, then reuse it)")
-    serve.add_argument("--kv-budget-mb", type=int, default=2048, help="resident KV memory for all sessions")
-    serve.add_argument("--store-kinds", default="auto", choices=["auto", "kv", "hidden", "both"])
-    serve.add_argument("--max-batch", type=int, default=32)
-    serve.add_argument("--sequential", action="store_true", help="restore fully before prefill (no fusing)")
-    serve.add_argument("--read-cap-mbps", type=float, default=0.0)
-    serve.add_argument(
-        "--restore-method",
-        default="auto",
-        choices=["auto", "kv", "hidden", "recompute"],
-        help="force how Generate restores evicted sessions (benchmarks)",
+    serve = sub.add_parser(
+        "serve",
+        help="the gRPC service (default model, default store, port 50051)",
+        description="Settings come from the flags given, then --config FILE, then the defaults shown.",
     )
-    serve.add_argument("--drain-seconds", type=float, default=30.0)
-    serve.add_argument("--api-keys", help="file of 'tenant key' lines: every RPC needs a key; keys own sessions")
-    serve.add_argument("--tls-cert", help="PEM certificate chain (with --tls-key: serve TLS)")
-    serve.add_argument("--tls-key", help="PEM private key")
-    serve.add_argument("--max-sessions-per-key", type=int, default=0, help="0: no limit")
-    serve.add_argument("--max-storage-mb-per-key", type=int, default=0, help="0: no limit")
-    serve.add_argument("--max-message-mb", type=int, default=4, help="largest request accepted")
+    serve.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a TOML file: top-level model, dtype, ... and tables [storage], [engine], [server] (README)",
+    )
+    _common(serve, base, only=None)
     chat = sub.add_parser("chat", help="terminal chat client (/restore, /evict, /stats)")
     chat.add_argument("--target", default="localhost:50051")
     chat.add_argument("--session", help="continue this session instead of creating one")
@@ -83,15 +70,23 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
+def configure(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
+    """The parsed flags and the Config they make: flags given win over the --config file,
+    which wins over the defaults (the file's values become the flags' defaults)."""
     args = parser().parse_args(argv)
-    tune_allocator()  # before the model and its tensors exist
-    cfg = Config(model=getattr(args, "model", "default"), dtype=getattr(args, "dtype", "float32"))
-    if getattr(args, "threads", 0):
-        import torch
+    if getattr(args, "config", None):
+        args = parser(config.load(args.config)).parse_args(argv)
+    return args, to_config(args)
 
-        torch.set_num_threads(args.threads)
+
+def main(argv: list[str] | None = None) -> int:
     try:
+        args, cfg = configure(argv)
+        tune_allocator()  # before the model and its tensors exist
+        if getattr(args, "threads", 0):
+            import torch
+
+            torch.set_num_threads(args.threads)
         if args.command == "demo":
             from hcache import demo
 
@@ -99,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("--max-new-tokens must be at least 1")
             return demo.run(cfg.model, cfg.dtype, args.max_new_tokens)
         if args.command == "serve":
-            return _serve(cfg, args)
+            return _serve(cfg)
         if args.command == "chat":
             from hcache.server import chat
 
@@ -125,33 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _serve(cfg: Config, args: argparse.Namespace) -> int:
+def _serve(cfg: Config) -> int:
     import logging
-    from pathlib import Path
 
-    from hcache.restore.profile import Profile
     from hcache.server import app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.dirs:
-        cfg.storage_dirs = args.dirs
-    cfg.server.host, cfg.server.port, cfg.server.drain_seconds = args.host, args.port, args.drain_seconds
-    cfg.server.http_port = args.http_port
-    cfg.server.api_keys_file, cfg.server.tls_cert_file, cfg.server.tls_key_file = (
-        args.api_keys or "",
-        args.tls_cert or "",
-        args.tls_key or "",
-    )
-    cfg.server.max_message_bytes = args.max_message_mb << 20
-    e = cfg.engine
-    e.kv_budget_bytes, e.store_kinds, e.max_batch = args.kv_budget_mb << 20, args.store_kinds, args.max_batch
-    e.fused, e.read_cap_mbps, e.restore_method = not args.sequential, args.read_cap_mbps, args.restore_method
-    e.max_sessions_per_tenant, e.max_storage_bytes_per_tenant = (
-        args.max_sessions_per_key,
-        args.max_storage_mb_per_key << 20,
-    )
-    profile = Profile.load(Path(args.profile)) if args.profile else None
-    return app.serve(cfg, profile)
+    return app.serve(cfg)
 
 
 def _profile(cfg: Config, args: argparse.Namespace) -> int:
@@ -160,7 +135,7 @@ def _profile(cfg: Config, args: argparse.Namespace) -> int:
     from hcache.model.loader import load
     from hcache.restore import profiler
 
-    dirs = [Path(d) for d in (args.dirs or cfg.storage_dirs)]
+    dirs = [Path(d) for d in (args.dirs or cfg.storage.dirs)]
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
     model = load(cfg.model, cfg.dtype).model
@@ -209,8 +184,7 @@ def _plan(args: argparse.Namespace) -> int:
         if not cached:
             raise ValueError("no profile: run `hcache profile`, or pass --profile FILE or --tflops T --io-gbps B")
         prof = Profile.load(cached[-1])
-    cap = args.cap_mbps / 1000 if args.cap_mbps else None
-    res = partition(geom, prof, args.tokens, cap)
+    res = partition(geom, prof, args.tokens, args.cap_gbps or None)
     if args.json:
         print(json.dumps(res.to_json(), indent=2))
     else:

@@ -4,9 +4,16 @@ Hugging Face `config.json` or a GGUF header; `Config` is what the service runs w
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the same parser, before it joined the standard library
+    import tomli as tomllib
 
 ARCH_LLAMA = "llama"
 ARCH_OPT = "opt"
@@ -146,60 +153,163 @@ def hcache_home() -> Path:
     return Path(os.environ.get("HCACHE_HOME", Path.home() / ".cache" / "hcache"))
 
 
+MB = 1 << 20
+
+
+def setting(
+    default: Any = None,
+    doc: str = "",
+    *,
+    factory: Callable[[], Any] | None = None,
+    flag: str = "",
+    unit: int = 1,
+    choices: tuple[str, ...] = (),
+    aliases: tuple[str, ...] = (),
+) -> Any:
+    """A field of the service's config, with what its `hcache serve` flag needs (hcache/flags.py):
+    help text, the flag's name when it is not the field's, the flag's unit (MB for a field in
+    bytes), the allowed values and other names for the flag (for a bool: for its `--no-` form)."""
+    meta = {"doc": doc, "flag": flag, "unit": unit, "choices": choices, "aliases": aliases}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class StorageConfig:
-    dirs: list[str]
-    quota_bytes: int = 0  # per directory; 0 means the filesystem's free space is the limit
-    staging_bytes: int = 64 << 20
-    direct_io: bool = True
-    max_request_bytes: int = 32 << 20  # this VM: 8 MB requests reach ~0.75 of the rate 32 MB ones do
-    first_request_bytes: int = 2 << 20  # an owner's first request per slab; later ones double up to the max
-    request_layers: int = 3  # a request takes chunks of at most this many layers: lumps stay small
-    read_depth: int = 8  # requests in flight per directory (read_depth + dirs bounce buffers serve tails)
-    prefetch_layers: int = 12
-    prefetch_bytes: int = 128 << 20  # ... or more layers while those hold less than this
-    fsync_group_bytes: int = 16 << 20
-    read_cap_mbps: float = 0.0  # 0: no cap; otherwise a token bucket on restore reads
+    dirs: list[str] = setting(  # noqa: RUF009 - setting() is field(): a fresh list per instance
+        doc="storage directories, one per device; chunks are placed by their order",
+        factory=lambda: [str(hcache_home() / "store")],
+        aliases=("--storage-dirs",),
+    )
+    quota_bytes: int = setting(0, "per directory (0: the filesystem's free space)", flag="--quota-mb", unit=MB)
+    staging_bytes: int = setting(
+        64 << 20, "staging ring between the forward and the writers", flag="--staging-mb", unit=MB
+    )
+    direct_io: bool = setting(True, "O_DIRECT reads and writes (off: through the page cache)")
+    max_request_bytes: int = setting(
+        32 << 20, "largest read request; an owner's later requests double up to it", flag="--max-request-mb", unit=MB
+    )
+    first_request_bytes: int = setting(
+        2 << 20,
+        "an owner's first read request per slab, so its first layer arrives soon",
+        flag="--first-request-mb",
+        unit=MB,
+    )
+    request_layers: int = setting(3, "a read request takes chunks of at most this many layers")
+    read_depth: int = setting(8, "read requests in flight per directory")
+    prefetch_layers: int = setting(12, "restore read-ahead in layers (or more while they hold less than --prefetch-mb)")
+    prefetch_bytes: int = setting(128 << 20, "restore read-ahead in bytes", flag="--prefetch-mb", unit=MB)
+    fsync_group_bytes: int = setting(
+        16 << 20, "bytes written per directory between fsyncs", flag="--fsync-group-mb", unit=MB
+    )
+    read_cap_gbps: float = setting(0.0, "restore reads capped by a token bucket, in GB/s (0: no cap)")
 
 
 @dataclass
 class EngineConfig:
-    kv_budget_bytes: int = 2 << 30  # resident KV of all sessions (the block pool)
-    max_batch: int = 32  # sequences per decode step
-    piece_tokens: int = 512  # prefill runs in pieces of this many tokens
-    prefill_slice_ms: float = 25.0  # restore/prefill time per engine step while others decode
-    default_max_new_tokens: int = 256
-    fused: bool = True  # prefill layer l as soon as layer l's KV is restored
-    store_kinds: str = "auto"  # per layer: auto (the planner's choice) | kv | hidden | both
-    plan_tokens: int = 4096  # the session length the storage choice is planned for
-    read_cap_mbps: float = 0.0  # restore read cap (0: none)
-    max_sessions_per_tenant: int = 0  # per API key (0: no limit)
-    max_storage_bytes_per_tenant: int = 0  # stored state per API key (0: no limit)
-    restore_method: str = "auto"  # what Generate restores by: auto | kv | hidden | recompute (benchmarks)
+    kv_budget_bytes: int = setting(
+        2 << 30, "resident KV of all sessions (the block pool)", flag="--kv-budget-mb", unit=MB
+    )
+    max_batch: int = setting(32, "sequences per decode step")
+    piece_tokens: int = setting(512, "prefill runs in pieces of this many tokens")
+    prefill_slice_ms: float = setting(25.0, "restore/prefill time per engine step while others decode")
+    default_max_new_tokens: int = setting(256, "max_new_tokens of a request that gives none")
+    fused: bool = setting(True, "prefill layer l as soon as layer l's KV is restored", aliases=("--sequential",))
+    store_kinds: str = setting(
+        "auto", "what is stored per layer (auto: the planner's choice)", choices=("auto", "kv", "hidden", "both")
+    )
+    plan_tokens: int = setting(4096, "the session length the storage choice is planned for")
+    max_sessions_per_tenant: int = setting(0, "sessions per API key (0: no limit)", flag="--max-sessions-per-key")
+    max_storage_bytes_per_tenant: int = setting(
+        0, "stored state per API key (0: no limit)", flag="--max-storage-mb-per-key", unit=MB
+    )
+    restore_method: str = setting(
+        "auto",
+        "force how Generate restores evicted sessions (benchmarks)",
+        choices=("auto", "kv", "hidden", "recompute"),
+    )
 
 
 @dataclass
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051
-    http_port: int = 8000  # -1: no HTTP side port; 0: any free port
-    workers: int = 64  # gRPC handler threads (one per open stream)
-    max_message_bytes: int = 4 << 20
-    drain_seconds: float = 30.0
-    api_keys_file: str = ""  # "tenant key" lines; empty: no authentication
-    tls_cert_file: str = ""  # PEM certificate chain and key: TLS instead of plaintext
-    tls_key_file: str = ""
+    host: str = setting("127.0.0.1", "address the gRPC and HTTP ports listen on")
+    port: int = setting(50051, "gRPC port")
+    http_port: int = setting(8000, "metrics, health and dashboard (-1: off; 0: any free port)")
+    workers: int = setting(64, "gRPC handler threads (one per open stream)")
+    max_message_bytes: int = setting(4 << 20, "largest request accepted", flag="--max-message-mb", unit=MB)
+    drain_seconds: float = setting(30.0, "on SIGTERM, how long running turns may take to finish")
+    api_keys_file: str = setting(
+        "", "file of 'tenant key' lines: every RPC needs a key; keys own sessions (empty: none)", flag="--api-keys"
+    )
+    tls_cert_file: str = setting("", "PEM certificate chain (with --tls-key: serve TLS)", flag="--tls-cert")
+    tls_key_file: str = setting("", "PEM private key", flag="--tls-key")
 
 
 @dataclass
 class Config:
-    """What `hcache` runs with."""
+    """What `hcache` runs with: defaults here, then a TOML file (`hcache serve --config`), then flags."""
 
-    model: str = "default"  # "default" (SmolLM2-135M-Instruct GGUF), a .gguf file or an HF folder
-    dtype: str = "float32"  # float32 | bfloat16
-    device: str = "cpu"
-    threads: int = 0  # 0: leave torch's default
-    storage_dirs: list[str] = field(default_factory=lambda: [str(hcache_home() / "store")])
-    profile_dir: str = field(default_factory=lambda: str(hcache_home() / "profiles"))
+    model: str = setting("default", "'default' (SmolLM2-135M-Instruct GGUF), a .gguf file or an HF folder")
+    dtype: str = setting("float32", "weights and activations", choices=("float32", "bfloat16"))
+    device: str = setting("cpu", "torch device the model runs on")
+    profile: str = setting("", "a profile JSON (empty: measure this machine once, then reuse it)")
+    profile_dir: str = setting(
+        doc="where measured profiles are cached", factory=lambda: str(hcache_home() / "profiles")
+    )
+    storage: StorageConfig = field(default_factory=StorageConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be read, or has an unknown key or a value of the wrong type."""
+
+
+def load(path: str | Path) -> Config:
+    """A Config from a TOML file: top-level keys for Config's own fields, tables [storage],
+    [engine] and [server] for the sections; what the file leaves out keeps its default."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    cfg = Config()
+    _fill(cfg, data, str(path), "")
+    return cfg
+
+
+def _fill(obj: Any, data: dict[str, Any], where: str, prefix: str) -> None:
+    known = {f.name: f for f in fields(obj)}
+    types = get_type_hints(type(obj))
+    for key, value in data.items():
+        name = prefix + key
+        if key not in known:
+            raise ConfigError(f"{where}: unknown key {name!r} (known here: {', '.join(known)})")
+        if is_dataclass(types[key]):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: {name} must be a table ([{name}])")
+            _fill(getattr(obj, key), value, where, f"{name}.")
+        else:
+            setattr(obj, key, _checked(value, types[key], known[key].metadata.get("choices", ()), f"{where}: {name}"))
+
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _checked(value: Any, typ: Any, choices: tuple[str, ...], what: str) -> Any:
+    if typ is float and type(value) is int:
+        value = float(value)
+    if get_origin(typ) is list:
+        (item,) = get_args(typ)
+        ok = isinstance(value, list) and len(value) > 0 and all(type(v) is item for v in value)
+        want = f"a non-empty list of {_TYPE_NAMES[item].removeprefix('a ')}s"  # as its flag's nargs="+"
+    else:
+        ok, want = type(value) is typ, _TYPE_NAMES[typ]  # `is`: TOML's true is no integer here
+    if not ok:
+        raise ConfigError(f"{what} must be {want}, not {value!r}")
+    if choices and value not in choices:
+        raise ConfigError(f"{what} must be one of {', '.join(choices)}, not {value!r}")
+    return value

@@ -15,7 +15,7 @@ import pytest
 from engine_helpers import profile_for
 
 from hcache.client import Client
-from hcache.config import Config, EngineConfig, ServerConfig
+from hcache.config import Config, EngineConfig, ServerConfig, StorageConfig
 from hcache.server.app import start
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ def get(url: str) -> tuple[int, str]:
 def live(default_model, tmp_path_factory):
     d = tmp_path_factory.mktemp("dash")
     cfg = Config(
-        storage_dirs=[str(d / "a"), str(d / "b")],
+        storage=StorageConfig([str(d / "a"), str(d / "b")]),
         engine=EngineConfig(store_kinds="both", kv_budget_bytes=256 << 20),
         server=ServerConfig(port=0, http_port=0),
     )

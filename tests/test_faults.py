@@ -112,7 +112,7 @@ def test_throttled_directory_is_slow_but_exact(tiny, tmp_path):
         got, _ = turn(eng, s.id, token_ids=ids, params=p)
         nbytes = 3 * 200 * 2 * tiny.cfg.kv_dim * 4
         eng.evict(s.id)
-        store.set_read_cap(nbytes / 0.5 / 1e6)  # half a second for the whole state
+        store.set_read_cap(nbytes / 0.5 / 1e9)  # half a second for the whole state
         r = eng.restore(s.id, Method.KV)
         assert r["restore_ms"] > 300
         store.set_read_cap(0)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hcache.client import Client
-from hcache.config import Config, EngineConfig, ServerConfig
+from hcache.config import Config, EngineConfig, ServerConfig, StorageConfig
 from hcache.server.app import start
 from hcache.v1 import hcache_pb2 as pb
 
@@ -42,7 +42,7 @@ FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=list(Healt
 def fuzzed(default_model, tmp_path_factory):
     d = tmp_path_factory.mktemp("fuzz")
     cfg = Config(
-        storage_dirs=[str(d / "s")],
+        storage=StorageConfig([str(d / "s")]),
         engine=EngineConfig(store_kinds="kv", kv_budget_bytes=64 << 20, default_max_new_tokens=2),
         server=ServerConfig(port=0, http_port=-1, max_message_bytes=1 << 20),
     )

@@ -93,7 +93,7 @@ def test_plan_cli_json(capsys) -> None:
     assert main([*args, "--tflops", "312", "--io-gbps", "8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert sum(out["counts"].values()) == 32 and len(out["layers"]) == 32 and out["predicted_ms"] > 0
-    assert main([*args, "--tflops", "312", "--io-gbps", "8", "--cap-mbps", "500", "--json"]) == 0
+    assert main([*args, "--tflops", "312", "--io-gbps", "8", "--cap-gbps", "0.5", "--json"]) == 0
     capped = json.loads(capsys.readouterr().out)
     assert capped["predicted_ms"] > out["predicted_ms"]
 

@@ -12,7 +12,7 @@ from engine_helpers import profile_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hcache.client import Client
-from hcache.config import Config, EngineConfig, ServerConfig
+from hcache.config import Config, EngineConfig, ServerConfig, StorageConfig
 from hcache.server.app import start
 from hcache.server.auth import load_keys
 
@@ -58,7 +58,7 @@ def secure(default_model, tmp_path_factory):
     (d / "keys").write_text(f"# tenants\nalice {KEY_A}\nbob {KEY_B}\n")
     cert, key, pem = self_signed(d)
     cfg = Config(
-        storage_dirs=[str(d / "s")],
+        storage=StorageConfig([str(d / "s")]),
         engine=EngineConfig(
             store_kinds="kv", kv_budget_bytes=128 << 20, max_sessions_per_tenant=3, max_storage_bytes_per_tenant=8 << 20
         ),

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from hcache.client import Client
-from hcache.config import Config, EngineConfig, ServerConfig
+from hcache.config import Config, EngineConfig, ServerConfig, StorageConfig
 from hcache.engine.generate import ChatSession
 from hcache.engine.sampler import SamplingParams
 from hcache.server.app import Running, start
@@ -27,7 +27,7 @@ MAX_NEW = 24
 
 def serve(loaded, dirs: list[Path], **engine: object) -> Running:
     cfg = Config(
-        storage_dirs=[str(d) for d in dirs],
+        storage=StorageConfig([str(d) for d in dirs]),
         engine=EngineConfig(**{"store_kinds": "both", "kv_budget_bytes": 256 << 20, **engine}),  # type: ignore[arg-type]
         server=ServerConfig(port=0, http_port=-1, drain_seconds=10),
     )

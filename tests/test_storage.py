@@ -620,7 +620,7 @@ def test_reads_are_booked_in_layer_order_across_directories(dirs) -> None:
     """Under a read cap the bandwidth goes to the layers a restore needs first: requests are
     booked and submitted in layer order over all directories, not one directory at a time."""
     kinds = [Kind.KV] * GEOM.num_layers
-    with open_store(dirs, read_cap_mbps=50.0) as st:
+    with open_store(dirs, read_cap_gbps=0.05) as st:
         st.create_owner("o", kinds, "fp")
         save(st, "o", 0, 256, kinds)
         st.mark_durable("o", list(range(256)))

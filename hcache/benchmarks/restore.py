@@ -46,7 +46,7 @@ class Row:
     model: str
     tokens: int
     dirs: int
-    cap_mbps: float
+    cap_gbps: float
     method: str
     plan: str
     ms: float | None
@@ -198,8 +198,8 @@ def run(
                     prof = profiles[nd]
                     for cap in caps:
                         store.set_read_cap(cap)
-                        plans = {m: method_plan(m, geom, prof, n, cap / 1000 if cap else None) for m in methods}
-                        bound = lower_bound(geom, prof, n, cap / 1000 if cap else None)
+                        plans = {m: method_plan(m, geom, prof, n, cap or None) for m in methods}
+                        bound = lower_bound(geom, prof, n, cap or None)
                         timed = [m for m in methods if not (m == "RE" and plans[m][1] > re_budget_s * 1e3)]
                         times: dict[str, list[float]] = {m: [] for m in timed}
                         waits: dict[str, list[float]] = {m: [] for m in timed}
@@ -256,11 +256,11 @@ def print_table(rows: list[Row]) -> None:
     from rich.table import Table
 
     t = Table(title="restore: median ms (predicted), speedup of each over the best single method")
-    for col in ("model", "tokens", "dirs", "cap MB/s", "method", "plan", "ms", "predicted", "MB read", "x best single"):
+    for col in ("model", "tokens", "dirs", "cap GB/s", "method", "plan", "ms", "predicted", "MB read", "x best single"):
         t.add_column(col, justify="left" if col in ("model", "method", "plan") else "right")
     for r in rows:
         t.add_row(
-            r.model, str(r.tokens), str(r.dirs), str(int(r.cap_mbps)) if r.cap_mbps else "-", r.method, r.plan,
+            r.model, str(r.tokens), str(r.dirs), f"{r.cap_gbps:g}" if r.cap_gbps else "-", r.method, r.plan,
             _fmt(r.ms), f"{r.predicted_ms:.0f}", f"{r.bytes_read / 1e6:.0f}",
             f"{r.speedup_vs_best_single:.2f}" if r.speedup_vs_best_single else "-",
         )  # fmt: skip
@@ -273,7 +273,7 @@ def targets(rows: list[Row]) -> dict:
     auto's speedups on the multi-head model, and predicted against measured times."""
     configs: dict[tuple, dict[str, Row]] = {}
     for r in rows:
-        configs.setdefault((r.model, r.tokens, r.dirs, r.cap_mbps), {})[r.method] = r
+        configs.setdefault((r.model, r.tokens, r.dirs, r.cap_gbps), {})[r.method] = r
     out = []
     for (model, n, nd, cap), by in configs.items():
         auto = by.get("auto")
@@ -283,7 +283,7 @@ def targets(rows: list[Row]) -> dict:
         best = min(singles.values(), key=lambda r: r.ms or 0)
         same = [m for m, r in singles.items() if r.plan == auto.plan]
         row = {
-            "model": model, "tokens": n, "dirs": nd, "cap_mbps": cap, "auto_ms": auto.ms, "auto_plan": auto.plan,
+            "model": model, "tokens": n, "dirs": nd, "cap_gbps": cap, "auto_ms": auto.ms, "auto_plan": auto.plan,
             "best_single": best.method, "best_single_ms": best.ms, "auto_vs_best": best.ms / auto.ms,
             "same_plan_as": same[0] if same else None,
             "auto_ok": auto.ms <= 1.03 * (best.ms or 0),
@@ -318,7 +318,7 @@ def print_targets(t: dict) -> None:
         tab.add_column(col, justify="left" if col in ("model", "auto plan", "best single", "same plan as") else "right")
     for c in t["configs"]:
         tab.add_row(
-            c["model"], str(c["tokens"]), str(c["dirs"]), str(int(c["cap_mbps"])) if c["cap_mbps"] else "-",
+            c["model"], str(c["tokens"]), str(c["dirs"]), f"{c['cap_gbps']:g}" if c["cap_gbps"] else "-",
             c["auto_plan"], c["best_single"], f"{c['auto_vs_best']:.2f}", c["same_plan_as"] or "",
             *(f"{c[k]:.2f}" if k in c else "-" for k in (f"auto_speedup_vs_{m}" for m in ("KV", "H", "RE"))),
             *(f"{c[k]:.2f}" if k in c else "-" for k in (f"model_max_vs_{m}" for m in ("KV", "H", "RE"))),
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="+", default=["default", "default-mha", "llama7b"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[1024, 4096, 16384])
     ap.add_argument("--dirs", nargs="+", type=int, default=[1, 4], help="numbers of storage directories")
-    ap.add_argument("--caps", nargs="+", type=float, default=[0, 200], help="read caps in MB/s (0: none)")
+    ap.add_argument("--caps", nargs="+", type=float, default=[0, 0.2], help="read caps in GB/s (0: none)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--base", help="where the stores go (default: a temp dir)")
     ap.add_argument("--real-max", type=int, default=4096, help="longest context built by a real prefill")

@@ -79,8 +79,6 @@ class Engine:
         self.pool = BlockPool(model.cfg, model.dtype, model.device, max(1, self.cfg.kv_budget_bytes // per_block))
         kinds = layer_kinds_for(self.cfg.store_kinds, model, profile, self.cfg.plan_tokens)
         self.registry = Registry(store, model, kinds)
-        if self.cfg.read_cap_mbps:
-            store.set_read_cap(self.cfg.read_cap_mbps)
         self.lock = threading.RLock()
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
@@ -414,7 +412,7 @@ class Engine:
         seq.t_start = time.perf_counter()
         plan = source = None
         if s.cache is None and seq.keep:
-            cap = self.cfg.read_cap_mbps / 1000 if self.cfg.read_cap_mbps else None
+            cap = self.store.cfg.read_cap_gbps or None  # the store's token bucket holds reads to it
             plan, seq.predicted_ms = self.registry.plan(s, seq.keep, self.profile, seq.restore_method, cap)
         if seq.keep < len(s.tokens):  # the conversation was re-rendered differently: drop the rest
             if s.cache is not None:

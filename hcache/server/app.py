@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from hcache.config import Config, StorageConfig
+from hcache.config import Config
 from hcache.engine.engine import Engine
 from hcache.engine.telemetry import Telemetry
 from hcache.model.loader import LoadedModel, load
@@ -72,16 +72,18 @@ class Running:
 def build_engine(
     cfg: Config, profile: Profile | None = None, loaded: LoadedModel | None = None, telemetry: Telemetry | None = None
 ) -> tuple[Engine, ChunkStore]:
+    if profile is None and cfg.profile:
+        profile = Profile.load(Path(cfg.profile))  # before the model: a bad path fails at once
     loaded = loaded or load(cfg.model, cfg.dtype, cfg.device)
     if loaded.tokenizer is None:
         raise ValueError(f"{loaded.source} has no tokenizer; hcache serve needs one")
-    dirs = [Path(d) for d in cfg.storage_dirs]
+    dirs = [Path(d) for d in cfg.storage.dirs]
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
     warm_up(loaded.model)
     if profile is None:
         profile = profiler.load_or_run(loaded.model, dirs, Path(cfg.profile_dir))
-    store = ChunkStore(StorageConfig([str(d) for d in dirs]), loaded.model.cfg, loaded.model.dtype, cfg.device)
+    store = ChunkStore(cfg.storage, loaded.model.cfg, loaded.model.dtype, cfg.device)
     try:
         name = str(loaded.source.name)
         engine = Engine(loaded.model, loaded.tokenizer, store, profile, cfg.engine, name, telemetry)

@@ -84,7 +84,7 @@ class ChunkStore:
         self.chunk_buffers = chunk_pools(self.shapes)
         pinned = torch.device(device).type == "cuda" and torch.cuda.is_available()
         self.buffers = LayerBuffers(dtype, pinned, cfg.prefetch_bytes, cfg.prefetch_layers, self.stats)
-        self.throttle = TokenBucket(cfg.read_cap_mbps * 1e6)
+        self.throttle = TokenBucket(cfg.read_cap_gbps * 1e9)
         self.ring = StagingRing(cfg.staging_bytes, model.hidden_size, model.kv_dim, dtype, torch.device(device))
         self.writers = [
             DirWriter(i, path, self.placement, self.shapes, self.chunk_buffers, cfg.fsync_group_bytes)
@@ -255,9 +255,10 @@ class ChunkStore:
         """One whole chunk (all 64 rows of its slot), checked."""
         return read_chunk(self.placement, self.shapes[kind], self.stats, owner, layer, idx)
 
-    def set_read_cap(self, mbps: float) -> None:
-        """Cap restore reads at `mbps` MB/s (0 lifts the cap)."""
-        self.throttle.set_rate(mbps * 1e6)
+    def set_read_cap(self, gbps: float) -> None:
+        """Cap restore reads at `gbps` GB/s (0 lifts the cap)."""
+        self.cfg.read_cap_gbps = gbps
+        self.throttle.set_rate(gbps * 1e9)
 
     def set_quota(self, nbytes: int) -> None:
         """Each directory's quota from now on (0: the filesystem's free space is the limit)."""
