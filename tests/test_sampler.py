@@ -47,3 +47,11 @@ def test_top_k_and_top_p_restrict_support() -> None:
 def test_invalid_params_rejected(bad: dict) -> None:
     with pytest.raises(ValueError):
         Sampler(SamplingParams(**bad))
+
+
+def test_a_tiny_temperature_samples_the_top_token_instead_of_failing() -> None:
+    """The smallest normal float32 as temperature overflowed logits / T to inf (softmax: NaN)."""
+    logits = torch.tensor([3.0, 9.5, -2.0, 9.0])
+    for top_p in (1.0, 1.1754943508222875e-38):
+        s = Sampler(SamplingParams(temperature=1.1754943508222875e-38, top_p=top_p, top_k=65, seed=241))
+        assert s(logits) == 1

@@ -46,7 +46,9 @@ class Sampler:
         p = self.params
         if p.temperature == 0:
             return int(logits.argmax())
-        logits = logits.float().cpu() / p.temperature
+        logits = logits.float().cpu()
+        # from the largest logit down: a tiny temperature scales the rest to -inf, never to inf - inf
+        logits = (logits - logits.max()) / p.temperature
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
