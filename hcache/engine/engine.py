@@ -26,6 +26,7 @@ from hcache.engine.block_pool import BLOCK_TOKENS, BatchCache, BlockPool, PagedC
 from hcache.engine.errors import EngineError, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from hcache.engine.generate import common_prefix
 from hcache.engine.prefill import PrefillJob
+from hcache.engine.records import SessionMeta
 from hcache.engine.sampler import Sampler, SamplingParams
 from hcache.engine.saver import Saver, finish_decode
 from hcache.engine.sequence import Event, Phase, Sequence, Session, TextStream
@@ -579,7 +580,7 @@ class Engine:
                 s.pending = seq.generated[-1]
             s.turns += 1
         s.updated = time.time()
-        tokens, meta = list(s.own_tokens), s.meta()
+        tokens, meta = list(s.own_tokens), s.meta().to_dict()
         self._finisher.submit(self._make_durable, seq, tokens, meta)
 
     def _make_durable(self, seq: Sequence, tokens: list[int], meta: dict) -> None:
@@ -617,10 +618,7 @@ class Engine:
             log.exception("reloading %s after a failed turn", s.id)
             return
         s.tokens = s.tokens[: s.base] + row.tokens
-        s.messages = list(row.meta.get("messages", s.messages))
-        s.pending = row.meta.get("pending")
-        s.mode = row.meta.get("mode", "")
-        s.turns = int(row.meta.get("turns", s.turns))
+        s.rewind(SessionMeta.from_dict(row.meta))
 
     def _fail(self, seq: Sequence, err: Exception) -> None:
         with self.lock:

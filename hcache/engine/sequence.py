@@ -13,6 +13,7 @@ from typing import Any
 
 from hcache.engine.block_pool import PagedCache
 from hcache.engine.prefill import PrefillJob
+from hcache.engine.records import SessionMeta
 from hcache.engine.sampler import Sampler, SamplingParams
 from hcache.restore.plan import Method, Plan
 
@@ -57,20 +58,47 @@ class Session:
     def own_tokens(self) -> list[int]:
         return self.tokens[self.base :]
 
-    def meta(self) -> dict[str, Any]:
+    def meta(self) -> SessionMeta:
         """What the manifest keeps next to the token ids (restored after a restart)."""
-        return {
-            "prefix": self.prefix,
-            "parent": self.parent,
-            "base": self.base,
-            "messages": self.messages,
-            "mode": self.mode,
-            "pending": self.pending,
-            "labels": self.labels,
-            "context_ids": self.context_ids,
-            "turns": self.turns,
-            "tenant": self.tenant,
-        }
+        return SessionMeta(
+            prefix=self.prefix,
+            parent=self.parent,
+            base=self.base,
+            messages=self.messages,
+            mode=self.mode,
+            pending=self.pending,
+            labels=self.labels,
+            context_ids=self.context_ids,
+            turns=self.turns,
+            tenant=self.tenant,
+        )
+
+    @classmethod
+    def from_meta(
+        cls, sid: str, kind: str, meta: SessionMeta, tokens: list[int], created: float, updated: float
+    ) -> Session:
+        m = meta
+        return cls(
+            id=sid,
+            kind=kind,
+            prefix=m.prefix,
+            parent=m.parent,
+            base=m.base,
+            tokens=tokens,
+            messages=m.messages,
+            mode=m.mode,
+            pending=m.pending,
+            labels=m.labels,
+            context_ids=m.context_ids,
+            turns=m.turns,
+            tenant=m.tenant,
+            created=created,
+            updated=updated,
+        )
+
+    def rewind(self, meta: SessionMeta) -> None:
+        """Back to the conversation a stored meta describes (its last durable turn)."""
+        self.messages, self.mode, self.pending, self.turns = meta.messages, meta.mode, meta.pending, meta.turns
 
 
 class TextStream:

@@ -1,0 +1,55 @@
+"""Typed records the engine writes and hands out: the session meta the manifest keeps
+next to a session's token ids."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SessionMeta:
+    """What the manifest keeps next to a session's token ids: enough to rebuild the session
+    after a restart, or to take it back to its last durable turn."""
+
+    prefix: list[int] = field(default_factory=list)  # token ids of the contexts placed before the conversation
+    parent: str | None = None  # the context whose stored state covers tokens[:base]
+    base: int = 0
+    messages: list[dict[str, str]] = field(default_factory=list)
+    mode: str = ""  # "" until the first turn, then "chat" or "tokens"
+    pending: int | None = None  # the last sampled token (not fed yet), token mode
+    labels: dict[str, str] = field(default_factory=dict)
+    context_ids: list[str] = field(default_factory=list)
+    turns: int = 0
+    tenant: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prefix": list(self.prefix),
+            "parent": self.parent,
+            "base": self.base,
+            "messages": [dict(m) for m in self.messages],
+            "mode": self.mode,
+            "pending": self.pending,
+            "labels": dict(self.labels),
+            "context_ids": list(self.context_ids),
+            "turns": self.turns,
+            "tenant": self.tenant,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SessionMeta:
+        """Missing keys take their defaults."""
+        return cls(
+            prefix=list(d.get("prefix", [])),
+            parent=d.get("parent"),
+            base=int(d.get("base", 0)),
+            messages=[dict(m) for m in d.get("messages", [])],
+            mode=d.get("mode", ""),
+            pending=d.get("pending"),
+            labels=dict(d.get("labels", {})),
+            context_ids=list(d.get("context_ids", [])),
+            turns=int(d.get("turns", 0)),
+            tenant=d.get("tenant"),
+        )
