@@ -36,7 +36,7 @@ def test_multi_turn_exact_across_evictions_and_methods(tiny, tmp_path):
             if method is not None:
                 eng.evict(s.id)
                 r = eng.restore(s.id, None if method == "auto" else method)
-                assert r["num_tokens"] == len(history) - 1 and not r["fallback_layers"]
+                assert r.num_tokens == len(history) - 1 and not r.fallback_layers
             new = rand_ids(rng, rng.randrange(3, 70))
             got, stats = turn(eng, s.id, token_ids=new, params=p)
             want = reference(tiny, [*history, *new], p, set())
@@ -160,7 +160,7 @@ def test_corrupt_chunk_falls_back_to_recompute(tmp_path, tiny_folder):
             f.seek(row.slot * slab.slot_bytes + 100)
             f.write(bytes([b[0] ^ 0xFF]))
         r = eng.restore(s.id, Method.KV)  # layers 0 and 1 recomputed from tokens
-        assert r["fallback_layers"] == 2 and store.stats.checksum_failures >= 1
+        assert r.fallback_layers == 2 and store.stats.checksum_failures >= 1
         new = rand_ids(rng, 8)
         got2, _ = turn(eng, s.id, token_ids=new, params=p)
         assert got2 == reference(model, ids + got + new, p, set())

@@ -17,7 +17,6 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -26,7 +25,7 @@ from hcache.engine.block_pool import BLOCK_TOKENS, BatchCache, BlockPool, PagedC
 from hcache.engine.errors import EngineError, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from hcache.engine.generate import common_prefix
 from hcache.engine.prefill import PrefillJob
-from hcache.engine.records import SessionMeta
+from hcache.engine.records import RestoreResult, SessionMeta
 from hcache.engine.sampler import Sampler, SamplingParams
 from hcache.engine.saver import Saver, finish_decode
 from hcache.engine.sequence import Event, Phase, Sequence, Session, TextStream
@@ -189,7 +188,7 @@ class Engine:
         self._submit(seq)
         return seq
 
-    def restore(self, session_id: str, method: Method | None = None, tenant: str | None = None) -> dict[str, Any]:
+    def restore(self, session_id: str, method: Method | None = None, tenant: str | None = None) -> RestoreResult:
         """Make the session resident (again, from storage, when a method is forced)."""
         self._check_open()
         with self.lock:
@@ -199,16 +198,17 @@ class Engine:
             if s.error:
                 raise FailedPrecondition(s.error)
             if s.resident and method is None:
-                return {"already_resident": True, "num_tokens": len(s.tokens)}
+                return RestoreResult(already_resident=True, num_tokens=len(s.tokens))
             if not s.tokens:
-                return {"already_resident": s.resident, "num_tokens": 0}
+                return RestoreResult(already_resident=s.resident)
             self._evict(s)
             seq = self._sequence(s, [], len(s.tokens), SamplingParams(max_new_tokens=1), [], sample=False)
             seq.restore_method, seq.restore_only = method, True
             s.busy = True
         self._submit(seq)
         self._wait(seq)
-        return seq.result
+        assert seq.restored is not None
+        return seq.restored
 
     def evict(self, session_id: str, tenant: str | None = None) -> Session:
         with self.lock:
@@ -328,8 +328,8 @@ class Engine:
 
     def _wait(self, seq: Sequence) -> None:
         seq.done.wait()
-        if isinstance(seq.result, Exception):
-            raise seq.result
+        if seq.error is not None:
+            raise seq.error
 
     def _evict(self, s: Session) -> None:
         if s.cache is not None:
@@ -493,8 +493,9 @@ class Engine:
             counts = seq.plan.counts()
             mix = "+".join(m.short for m in Method if counts[m.value])
             self.telemetry.on_restore(mix, seq.plan.mix(), rep.restore_ms)
+        if seq.restore_only:
+            seq.restored = seq.restore_result()
         if seq.restore_only or not seq.sample:
-            seq.result = self._restore_result(seq)
             self._finish(seq, "restored" if seq.restore_only else "stored")
             return
         assert job.last_hidden is not None and seq.sampler is not None
@@ -504,20 +505,6 @@ class Engine:
         seq.phase = Phase.DECODE
         self.decoding.append(seq)
         self._emit(seq, token)
-
-    def _restore_result(self, seq: Sequence) -> dict[str, Any]:
-        rep = seq.job.report if seq.job else None
-        counts = seq.plan.counts() if seq.plan else {}
-        return {
-            "already_resident": False,
-            "num_tokens": seq.keep,
-            "restore_ms": rep.restore_ms if rep else 0.0,
-            "predicted_ms": seq.predicted_ms or 0.0,
-            "bytes_read": rep.bytes_read if rep else 0,
-            "fallback_layers": rep.fallback_layers if rep else 0,
-            "plan": counts,
-            "layers": seq.plan.letters if seq.plan else "",
-        }
 
     def _decode(self) -> None:
         batch = self.decoding[: self.cfg.max_batch]
@@ -589,8 +576,6 @@ class Engine:
             self.store.mark_durable(s.id, tokens, meta)
         except Exception as e:
             log.error("turn of %s not durable: %s", s.id, e)
-            with self.lock:
-                self._rollback(seq)
             err = (
                 ResourceExhausted(f"storage is full: {e}")
                 if isinstance(e, StorageFull)
@@ -600,10 +585,10 @@ class Engine:
             return
         with self.lock:
             s.busy = False
-            seq.result = self._stats(seq)
+            stats = seq.turn_stats()
             if not seq.sample and s.kind == "context":
                 self._evict(s)  # a context is read from storage by the sessions that use it
-        seq.events.put(Event(finished=True, finish_reason=seq.finish_reason, stats=seq.result))
+        seq.events.put(Event(finished=True, finish_reason=seq.finish_reason, stats=stats))
         seq.done.set()
         self._wake.set()
 
@@ -631,26 +616,6 @@ class Engine:
                 seq.session.mode = seq.prev_mode
             seq.phase = Phase.FINISHED
             seq.session.busy = False
-        seq.result = err
+        seq.error = err
         seq.events.put(Event(error=err))
         seq.done.set()
-
-    def _stats(self, seq: Sequence) -> dict[str, Any]:
-        rep = seq.job.report if seq.job else None
-        counts = seq.plan.counts() if seq.plan else {"recompute": 0, "hidden": 0, "kv": 0}
-        end = seq.t_last or time.perf_counter()
-        return {
-            "restore_ms": rep.restore_ms if rep and seq.plan else 0.0,
-            "prefill_ms": rep.prefill_ms if rep else 0.0,
-            "ttft_ms": (seq.t_first - seq.t_submit) * 1e3 if seq.t_first else 0.0,
-            "queue_ms": (seq.t_start - seq.t_submit) * 1e3 if seq.t_start else 0.0,
-            "decode_ms": (end - seq.t_first) * 1e3 if seq.t_first else 0.0,
-            "plan": counts,
-            "layers": seq.plan.letters if seq.plan else "",
-            "prompt_tokens": len(seq.new_tokens),
-            "cached_tokens": seq.keep,
-            "completion_tokens": len(seq.generated),
-            "bytes_read": rep.bytes_read if rep else 0,
-            "fallback_layers": rep.fallback_layers if rep else 0,
-            "tbt_ms": list(seq.tbt_ms),
-        }

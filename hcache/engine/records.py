@@ -1,11 +1,59 @@
-"""Typed records the engine writes and hands out: the session meta the manifest keeps
-next to a session's token ids."""
+"""Typed records the engine writes and hands out: a turn's stats, a restore's result,
+and the session meta the manifest keeps next to a session's token ids."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from hcache.restore.plan import Plan
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """Layers per restore method, and the plan as one letter per layer (R, H or K)."""
+
+    recompute: int = 0
+    hidden: int = 0
+    kv: int = 0
+    layers: str = ""
+
+    @classmethod
+    def of(cls, plan: Plan | None) -> PlanSummary:
+        if plan is None:
+            return cls()
+        c = plan.counts()
+        return cls(c["recompute"], c["hidden"], c["kv"], plan.letters)
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    """How one turn went; sent with its stream's last event."""
+
+    restore_ms: float = 0.0
+    prefill_ms: float = 0.0
+    ttft_ms: float = 0.0
+    queue_ms: float = 0.0
+    decode_ms: float = 0.0
+    plan: PlanSummary = PlanSummary()
+    prompt_tokens: int = 0  # fed this turn
+    cached_tokens: int = 0  # kept from the session's state
+    completion_tokens: int = 0
+    bytes_read: int = 0
+    fallback_layers: int = 0
+    tbt_ms: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    already_resident: bool = False
+    num_tokens: int = 0
+    restore_ms: float = 0.0
+    predicted_ms: float = 0.0  # the planner's estimate (0: a forced method)
+    bytes_read: int = 0
+    fallback_layers: int = 0
+    plan: PlanSummary = PlanSummary()
 
 
 @dataclass

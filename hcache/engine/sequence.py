@@ -13,7 +13,7 @@ from typing import Any
 
 from hcache.engine.block_pool import PagedCache
 from hcache.engine.prefill import PrefillJob
-from hcache.engine.records import SessionMeta
+from hcache.engine.records import PlanSummary, RestoreResult, SessionMeta, TurnStats
 from hcache.engine.sampler import Sampler, SamplingParams
 from hcache.restore.plan import Method, Plan
 
@@ -148,11 +148,11 @@ class Event:
     token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: str = ""
-    stats: dict[str, Any] | None = None
+    stats: TurnStats | None = None
     error: Exception | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     session: Session
     new_tokens: list[int]  # to prefill after what the session keeps
@@ -175,7 +175,8 @@ class Sequence:
     cancelled: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     finish_reason: str = ""
-    result: Any = None  # restore-only: the report; after finishing: the stats
+    restored: RestoreResult | None = None  # what a restore-only request reports
+    error: Exception | None = None  # why the request failed
     plan: Plan | None = None
     predicted_ms: float | None = None
     t_submit: float = field(default_factory=time.perf_counter)
@@ -189,3 +190,32 @@ class Sequence:
     def position(self) -> int:
         """Where the next fed token goes."""
         return len(self.session.tokens)
+
+    def turn_stats(self) -> TurnStats:
+        rep = self.job.report if self.job else None
+        end = self.t_last or time.perf_counter()
+        return TurnStats(
+            restore_ms=rep.restore_ms if rep and self.plan else 0.0,
+            prefill_ms=rep.prefill_ms if rep else 0.0,
+            ttft_ms=(self.t_first - self.t_submit) * 1e3 if self.t_first else 0.0,
+            queue_ms=(self.t_start - self.t_submit) * 1e3 if self.t_start else 0.0,
+            decode_ms=(end - self.t_first) * 1e3 if self.t_first else 0.0,
+            plan=PlanSummary.of(self.plan),
+            prompt_tokens=len(self.new_tokens),
+            cached_tokens=self.keep,
+            completion_tokens=len(self.generated),
+            bytes_read=rep.bytes_read if rep else 0,
+            fallback_layers=rep.fallback_layers if rep else 0,
+            tbt_ms=list(self.tbt_ms),
+        )
+
+    def restore_result(self) -> RestoreResult:
+        rep = self.job.report if self.job else None
+        return RestoreResult(
+            num_tokens=self.keep,
+            restore_ms=rep.restore_ms if rep else 0.0,
+            predicted_ms=self.predicted_ms or 0.0,
+            bytes_read=rep.bytes_read if rep else 0,
+            fallback_layers=rep.fallback_layers if rep else 0,
+            plan=PlanSummary.of(self.plan),
+        )
