@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import heapq
 import logging
 import math
 import threading
@@ -16,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 
@@ -25,7 +26,15 @@ from hcache.engine.block_pool import BLOCK_TOKENS, BatchCache, BlockPool, PagedC
 from hcache.engine.errors import EngineError, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from hcache.engine.generate import common_prefix
 from hcache.engine.prefill import PrefillJob
-from hcache.engine.records import RestoreResult, SessionMeta
+from hcache.engine.records import (
+    Counters,
+    EngineSnapshot,
+    QueueDepth,
+    RestoreResult,
+    SessionMeta,
+    SessionRow,
+    StorageState,
+)
 from hcache.engine.sampler import Sampler, SamplingParams
 from hcache.engine.saver import Saver, finish_decode
 from hcache.engine.sequence import Event, Phase, Sequence, Session, TextStream
@@ -41,6 +50,7 @@ from hcache.storage.store import ChunkStore
 log = logging.getLogger(__name__)
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
 TRIM_EVERY_S = 5.0
+RECENT_SESSIONS = 200  # rows of the dashboard's session table
 
 
 def _trim_heap() -> None:
@@ -48,14 +58,6 @@ def _trim_heap() -> None:
     arena otherwise, and with one thread per open stream resident memory creeps up."""
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
         ctypes.CDLL(None).malloc_trim(0)
-
-
-@dataclass
-class Counters:
-    evictions: int = 0
-    restores: int = 0
-    fallback_layers: int = 0
-    generated_tokens: int = 0
 
 
 class Engine:
@@ -271,21 +273,29 @@ class Engine:
         self._thread.join()
         self._finisher.shutdown(wait=True)
 
-    def budget_bytes(self) -> int:
-        return self.pool.num_blocks * BlockPool.bytes_per_block(self.model.cfg, self.model.dtype)
-
-    def resident_bytes(self) -> int:
-        return (self.pool.num_blocks - self.pool.num_free) * BlockPool.bytes_per_block(self.model.cfg, self.model.dtype)
-
-    def queue_depth(self) -> dict[str, int]:
+    def snapshot(self) -> EngineSnapshot:
+        """The state GetStats, /metrics and the dashboard show, read at once."""
+        storage = StorageState.of(self.store)  # disk usage, read outside the engine's lock
+        per_block = BlockPool.bytes_per_block(self.model.cfg, self.model.dtype)
         with self.lock:
+            owners = list(self.registry.sessions.values())
+            sessions = [s for s in owners if s.kind == "session"]
+            recent = heapq.nlargest(RECENT_SESSIONS, owners, key=lambda s: s.last_used)
             restoring = sum(1 for q in self.prefilling if q.phase == Phase.RESTORING)
-            return {
-                Phase.WAITING.value: len(self.waiting),
-                Phase.RESTORING.value: restoring,
-                Phase.PREFILL.value: len(self.prefilling) - restoring,
-                Phase.DECODE.value: len(self.decoding),
-            }
+            return EngineSnapshot(
+                time=time.time(),
+                model=self.model_name,
+                draining=self.draining,
+                counters=replace(self.counters),
+                queue=QueueDepth(len(self.waiting), restoring, len(self.prefilling) - restoring, len(self.decoding)),
+                sessions=len(sessions),
+                contexts=len(owners) - len(sessions),
+                resident_sessions=sum(s.resident for s in sessions),
+                resident_bytes=(self.pool.num_blocks - self.pool.num_free) * per_block,
+                budget_bytes=self.pool.num_blocks * per_block,
+                recent=[SessionRow.of(s) for s in recent],
+                storage=storage,
+            )
 
     # --- helpers -------------------------------------------------------------------
     def _check_session_limit(self, tenant: str | None) -> None:

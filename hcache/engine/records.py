@@ -1,13 +1,29 @@
 """Typed records the engine writes and hands out: a turn's stats, a restore's result,
+the engine's state at one moment (what GetStats, /metrics and the dashboard show),
 and the session meta the manifest keeps next to a session's token ids."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hcache.restore.plan import Plan
+from hcache.storage.store import DirUsage
+
+if TYPE_CHECKING:
+    from hcache.engine.sequence import Session
+    from hcache.storage.store import ChunkStore
+
+
+@dataclass
+class Counters:
+    """Totals since the engine started."""
+
+    evictions: int = 0
+    restores: int = 0
+    fallback_layers: int = 0
+    generated_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,6 +70,89 @@ class RestoreResult:
     bytes_read: int = 0
     fallback_layers: int = 0
     plan: PlanSummary = PlanSummary()
+
+
+@dataclass(frozen=True)
+class QueueDepth:
+    """Sequences per phase."""
+
+    waiting: int = 0
+    restoring: int = 0
+    prefill: int = 0
+    decode: int = 0
+
+    def by_phase(self) -> dict[str, int]:
+        return {"waiting": self.waiting, "restoring": self.restoring, "prefill": self.prefill, "decode": self.decode}
+
+
+@dataclass(frozen=True)
+class SessionRow:
+    """A session or context as the dashboard lists it."""
+
+    id: str
+    kind: str
+    tokens: int
+    resident: bool
+    busy: bool
+    turns: int
+    last_plan: str  # e.g. "RE 2 / H 0 / KV 28"; "" before any restore
+    last_restore_ms: float | None  # None before any restore
+
+    @classmethod
+    def of(cls, s: Session) -> SessionRow:
+        p = s.last_plan
+        return cls(
+            s.id,
+            s.kind,
+            len(s.tokens),
+            s.resident,
+            s.busy,
+            s.turns,
+            p.mix() if p else "",
+            s.last_restore_ms if p else None,
+        )
+
+
+@dataclass(frozen=True)
+class StorageState:
+    checksum_failures: int
+    bytes_read: int
+    read_bytes_by_dir: list[int]
+    dirs: list[DirUsage]
+    ring_used_bytes: int
+    ring_capacity_bytes: int
+    ring_waits: int  # times a full staging ring blocked a producer
+
+    @classmethod
+    def of(cls, store: ChunkStore) -> StorageState:
+        st, ring = store.stats, store.ring
+        return cls(
+            st.checksum_failures,
+            st.bytes_read,
+            list(st.read_bytes_by_dir),
+            store.usage(),
+            ring.used_bytes(),
+            ring.capacity,
+            ring.waits,
+        )
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's and its store's state at one moment."""
+
+    time: float  # Unix seconds
+    model: str
+    draining: bool
+    counters: Counters
+    queue: QueueDepth
+    sessions: int
+    contexts: int
+    resident_sessions: int
+    resident_bytes: int  # KV blocks held by sessions and contexts
+    budget_bytes: int
+    recent: list[SessionRow]  # the most recently used sessions and contexts first
+    storage: StorageState
 
 
 @dataclass

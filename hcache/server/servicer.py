@@ -14,7 +14,7 @@ from google.protobuf import empty_pb2
 
 from hcache.engine.engine import Engine
 from hcache.engine.errors import EngineError, InvalidArgument
-from hcache.engine.records import PlanSummary, RestoreResult, TurnStats
+from hcache.engine.records import EngineSnapshot, PlanSummary, RestoreResult, TurnStats
 from hcache.engine.sampler import SamplingParams
 from hcache.engine.sequence import Session
 from hcache.restore.plan import Method
@@ -113,6 +113,36 @@ def restore_pb(r: RestoreResult) -> pb.RestoreResponse:
     )
 
 
+def stats_pb(snap: EngineSnapshot) -> pb.Stats:
+    c, st = snap.counters, snap.storage
+    return pb.Stats(
+        sessions=snap.sessions,
+        resident_sessions=snap.resident_sessions,
+        resident_bytes=snap.resident_bytes,
+        budget_bytes=snap.budget_bytes,
+        contexts=snap.contexts,
+        queue_depth=snap.queue.by_phase(),
+        evictions=c.evictions,
+        restores=c.restores,
+        fallback_layers=c.fallback_layers,
+        checksum_failures=st.checksum_failures,
+        bytes_read=st.bytes_read,
+        dirs=[
+            pb.DirStats(
+                path=u.path,
+                used_bytes=u.used_bytes,
+                free_bytes=u.fs_free_bytes,
+                bytes_written=u.bytes_written,
+                chunks=u.chunks,
+            )
+            for u in st.dirs
+        ],
+        generated_tokens=c.generated_tokens,
+        model=snap.model,
+        draining=snap.draining,
+    )
+
+
 def sampling_of(req: pb.GenerateRequest, default_max: int) -> tuple[SamplingParams, list[str]]:
     s = req.sampling
     for name in ("temperature", "top_p"):
@@ -199,32 +229,4 @@ class Servicer(pb_grpc.HCacheServicer):
 
     @rpc
     def GetStats(self, request: empty_pb2.Empty, context: grpc.ServicerContext) -> pb.Stats:
-        e = self.engine
-        st = e.store.stats
-        sessions = e.list()
-        return pb.Stats(
-            sessions=len(sessions),
-            resident_sessions=sum(s.resident for s in sessions),
-            resident_bytes=e.resident_bytes(),
-            budget_bytes=e.budget_bytes(),
-            contexts=len(e.list("context")),
-            queue_depth=e.queue_depth(),
-            evictions=e.counters.evictions,
-            restores=e.counters.restores,
-            fallback_layers=e.counters.fallback_layers,
-            checksum_failures=st.checksum_failures,
-            bytes_read=st.bytes_read,
-            dirs=[
-                pb.DirStats(
-                    path=u.path,
-                    used_bytes=u.used_bytes,
-                    free_bytes=u.fs_free_bytes,
-                    bytes_written=u.bytes_written,
-                    chunks=u.chunks,
-                )
-                for u in e.store.usage()
-            ],
-            generated_tokens=e.counters.generated_tokens,
-            model=e.model_name,
-            draining=e.draining,
-        )
+        return stats_pb(self.engine.snapshot())
