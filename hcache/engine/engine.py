@@ -7,8 +7,6 @@ Everything that changes sessions or the pool happens under `self.lock`."""
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import heapq
 import logging
 import math
@@ -40,6 +38,7 @@ from hcache.engine.saver import Saver, finish_decode
 from hcache.engine.sequence import Event, Phase, Sequence, Session, TextStream
 from hcache.engine.sessions import Registry, check_tokens, layer_kinds_for
 from hcache.engine.telemetry import Telemetry
+from hcache.malloc import trim_when_idle
 from hcache.model.base import DecoderModel
 from hcache.model.tokenizer import Tokenizer
 from hcache.restore.plan import Method
@@ -49,15 +48,7 @@ from hcache.storage.store import ChunkStore
 
 log = logging.getLogger(__name__)
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
-TRIM_EVERY_S = 5.0
 RECENT_SESSIONS = 200  # rows of the dashboard's session table
-
-
-def _trim_heap() -> None:
-    """Hand freed heap pages back to the OS when the engine is idle. glibc keeps them per
-    arena otherwise, and with one thread per open stream resident memory creeps up."""
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
-        ctypes.CDLL(None).malloc_trim(0)
 
 
 class Engine:
@@ -91,7 +82,6 @@ class Engine:
         self.draining = False
         self._wake = threading.Event()
         self._stop = False
-        self._trimmed = 0.0
         self._finisher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hcache-durable")
         self._thread = threading.Thread(target=self._loop, name="hcache-engine", daemon=True)
         self._thread.start()
@@ -363,9 +353,7 @@ class Engine:
                             self._fail(seq, EngineError("internal error in the engine; see the server log"))
                     worked = True
                 if not worked:
-                    if time.monotonic() - self._trimmed > TRIM_EVERY_S:
-                        _trim_heap()
-                        self._trimmed = time.monotonic()
+                    trim_when_idle()
                     self._wake.wait(0.05)
                     self._wake.clear()
 
