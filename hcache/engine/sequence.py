@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -158,7 +159,6 @@ class Sequence:
     new_tokens: list[int]  # to prefill after what the session keeps
     keep: int  # tokens of the session's state this turn builds on
     params: SamplingParams
-    stops: list[str]
     stop_ids: set[int]
     max_tokens: int  # context limit: no token is fed at or past this position
     sample: bool = True  # False: prefill only (a context), no reply
@@ -168,7 +168,7 @@ class Sequence:
     phase: Phase = Phase.WAITING
     sampler: Sampler | None = None
     job: PrefillJob | None = None
-    steps: Any = None  # the job's generator
+    steps: Iterator[bool] | None = None  # the job's run()
     generated: list[int] = field(default_factory=list)
     text: TextStream | None = None
     events: queue.Queue = field(default_factory=queue.Queue)
@@ -190,6 +190,31 @@ class Sequence:
     def position(self) -> int:
         """Where the next fed token goes."""
         return len(self.session.tokens)
+
+    def push(self, token: int) -> tuple[Event, str]:
+        """Take a sampled token: its stream event, and why the turn ends here ("" when it goes on)."""
+        self.generated.append(token)
+        self.t_last = time.perf_counter()
+        assert self.text is not None
+        stop = token in self.stop_ids
+        event = Event("" if stop else self.text.push(token), [token])
+        if stop or self.text.stopped:
+            return event, "stop"
+        if len(self.generated) >= self.params.max_new_tokens or self.position + 1 >= self.max_tokens:
+            return event, "length"
+        return event, "cancelled" if self.cancelled.is_set() else ""
+
+    def end_turn(self, decode: Callable[[list[int]], str]) -> None:
+        """The reply joins the session's conversation (chat), or waits to be fed (token turns)."""
+        s = self.session
+        assert self.text is not None
+        if s.mode == "chat":
+            reply = self.text.text if self.text.stopped else decode(self.generated)
+            user = {"role": "user", "content": self.user_message or ""}
+            s.messages = [*s.messages, user, {"role": "assistant", "content": reply}]
+        else:
+            s.pending = self.generated[-1]
+        s.turns += 1
 
     def turn_stats(self) -> TurnStats:
         rep = self.job.report if self.job else None

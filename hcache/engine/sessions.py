@@ -8,7 +8,7 @@ import secrets
 
 import torch
 
-from hcache.engine.errors import FailedPrecondition, InvalidArgument, NotFound
+from hcache.engine.errors import FailedPrecondition, NotFound
 from hcache.engine.records import SessionMeta
 from hcache.engine.sequence import Session
 from hcache.model.base import DecoderModel
@@ -142,9 +142,3 @@ class Registry:
         geom = Geometry.of(self.model.cfg, torch.finfo(self.model.dtype).bits // 8)
         res: PlannedRestore = partition_stored(geom, profile, n, stored, cap_gbps)
         return res.plan, res.makespan_ms
-
-
-def check_tokens(ids: list[int], vocab: int) -> None:
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise InvalidArgument(f"token ids outside the vocabulary (0..{vocab - 1}): {bad[:5]}")
