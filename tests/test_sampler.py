@@ -47,3 +47,8 @@ def test_top_k_and_top_p_restrict_support() -> None:
 def test_invalid_params_rejected(bad: dict) -> None:
     with pytest.raises(ValueError):
         Sampler(SamplingParams(**bad))
+
+
+def test_tiny_temperature_samples_the_max_instead_of_nan() -> None:
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])  # 3.0 / 1.2e-38 overflows float32
+    assert Sampler(SamplingParams(temperature=1.1754943508222875e-38, seed=0))(logits) == 1

@@ -25,7 +25,7 @@ from hcache.engine.records import Counters, EngineSnapshot, RestoreResult, Sessi
 from hcache.engine.runner import Runner
 from hcache.engine.sampler import SamplingParams
 from hcache.engine.scheduler import Scheduler
-from hcache.engine.sequence import Event, Phase, Sequence, Session, TextStream
+from hcache.engine.sequence import Event, Sequence, Session, TextStream
 from hcache.engine.sessions import Registry, layer_kinds_for
 from hcache.engine.telemetry import Telemetry
 from hcache.malloc import trim_when_idle
@@ -38,6 +38,7 @@ from hcache.storage.store import ChunkStore
 
 log = logging.getLogger(__name__)
 RECENT_SESSIONS = 200  # rows of the dashboard's session table
+INTERNAL = "internal error in the engine; see the server log"
 
 
 class Engine:
@@ -295,7 +296,7 @@ class Engine:
                     log.exception("engine step failed")
                     with self.lock:
                         for seq in [*self.scheduler.prefilling, *self.scheduler.decoding]:
-                            self.finisher.fail(seq, EngineError("internal error in the engine; see the server log"))
+                            self.finisher.fail(seq, EngineError(INTERNAL))
                     worked = True
                 if not worked:
                     trim_when_idle()
@@ -323,6 +324,9 @@ class Engine:
                 self.finisher.fail(seq, e)
             except StorageError as e:
                 self.finisher.fail(seq, FailedPrecondition(str(e)))
+            except Exception:  # it left the queue: failing the step would not fail it
+                log.exception("starting a turn of %s failed", seq.session.id)
+                self.finisher.fail(seq, EngineError(INTERNAL))
         return worked
 
     def _start(self, seq: Sequence) -> None:
@@ -343,10 +347,9 @@ class Engine:
         self.scheduler.allocate(seq)
         self.runner.start(seq, plan, source)
         s.last_used = time.monotonic()
-        self.scheduler.prefilling.append(seq)
+        self.scheduler.to_prefill(seq)
 
     def _prefill_ended(self, seq: Sequence, error: Exception | None) -> None:
-        self.scheduler.prefilling.remove(seq)
         if error is not None:
             self.finisher.fail(seq, error)
             return
@@ -364,13 +367,13 @@ class Engine:
         if seq.restore_only:
             seq.restored = seq.restore_result()
         if seq.restore_only or not seq.sample:
+            self.scheduler.remove(seq)
             self.finisher.finish(seq, "restored" if seq.restore_only else "stored")
             return
         token = self.runner.first_token(seq)
         seq.t_first = time.perf_counter()
         self.telemetry.on_ttft((seq.t_first - seq.t_submit) * 1e3)
-        seq.phase = Phase.DECODE
-        self.scheduler.decoding.append(seq)
+        self.scheduler.to_decode(seq)
         self._emit(seq, token)
 
     def _decode(self) -> None:

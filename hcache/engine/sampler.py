@@ -46,7 +46,11 @@ class Sampler:
         p = self.params
         if p.temperature == 0:
             return int(logits.argmax())
-        logits = logits.float().cpu() / p.temperature
+        logits = logits.float().cpu()
+        scaled = logits / p.temperature
+        if not torch.isfinite(scaled).all():  # a temperature this small overflows float32: shift to the max first
+            scaled = (logits - logits.max()) / p.temperature
+        logits = scaled
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

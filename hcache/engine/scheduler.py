@@ -94,6 +94,15 @@ class Scheduler:
         ran = {id(q) for q in batch}
         self.decoding[:] = [q for q in self.decoding if id(q) not in ran] + [q for q in self.decoding if id(q) in ran]
 
+    def to_prefill(self, seq: Sequence) -> None:
+        self.prefilling.append(seq)
+
+    def to_decode(self, seq: Sequence) -> None:
+        """After its first token: a sequence stays in a queue until it ends, so a failed step fails it."""
+        self.prefilling.remove(seq)
+        seq.phase = Phase.DECODE
+        self.decoding.append(seq)
+
     def remove(self, seq: Sequence) -> None:
         for q in (self.prefilling, self.decoding):
             if seq in q:
