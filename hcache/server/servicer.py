@@ -16,7 +16,7 @@ from hcache.engine.engine import Engine
 from hcache.engine.errors import EngineError, InvalidArgument
 from hcache.engine.records import EngineSnapshot, PlanSummary, RestoreResult, TurnStats
 from hcache.engine.sampler import SamplingParams
-from hcache.engine.sequence import Session
+from hcache.engine.sequence import Event, Session
 from hcache.restore.plan import Method
 from hcache.server.auth import tenant_var
 from hcache.storage.errors import StorageError, StorageFull, UnknownOwner
@@ -83,6 +83,17 @@ def session_pb(s: Session) -> pb.Session:
         created_unix=s.created,
         updated_unix=s.updated,
     )
+
+
+def context_pb(c: Session) -> pb.Context:
+    return pb.Context(context_id=c.id, num_tokens=len(c.tokens), labels=c.labels)
+
+
+def event_pb(ev: Event) -> pb.GenerateResponse:
+    if not ev.finished:
+        return pb.GenerateResponse(text=ev.text, token_ids=ev.token_ids)
+    stats = turn_stats_pb(ev.stats or TurnStats())
+    return pb.GenerateResponse(finished=True, finish_reason=ev.finish_reason, stats=stats)
 
 
 def turn_stats_pb(st: TurnStats) -> pb.GenerateStats:
@@ -181,11 +192,7 @@ class Servicer(pb_grpc.HCacheServicer):
         context.add_callback(lambda: self.engine.cancel(seq))  # runs when the client goes away, too
         try:
             for ev in self.engine.stream(seq):
-                if ev.finished:
-                    stats = turn_stats_pb(ev.stats or TurnStats())
-                    yield pb.GenerateResponse(finished=True, finish_reason=ev.finish_reason, stats=stats)
-                else:
-                    yield pb.GenerateResponse(text=ev.text, token_ids=ev.token_ids)
+                yield event_pb(ev)
         except Exception as e:
             _abort(context, e)
 
@@ -225,7 +232,7 @@ class Servicer(pb_grpc.HCacheServicer):
         c = self.engine.precompute_context(
             request.text, list(request.token_ids), dict(request.labels), tenant_var.get()
         )
-        return pb.Context(context_id=c.id, num_tokens=len(c.tokens), labels=c.labels)
+        return context_pb(c)
 
     @rpc
     def GetStats(self, request: empty_pb2.Empty, context: grpc.ServicerContext) -> pb.Stats:
