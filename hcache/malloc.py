@@ -1,28 +1,27 @@
-"""glibc's allocator, tuned for a process whose tensors are megabytes.
+"""glibc's allocator, tuned for a process whose tensors are megabytes, and when to trim it.
 
-PyTorch's CPU tensors come from malloc. glibc serves blocks over its mmap threshold
-(128 KB at start, adjusted upwards only when such a block is freed) with a fresh mmap
-and returns it with munmap on free, and it trims freed memory off the top of its heaps
-soon after: every temporary of a restore's H projection (a layer's rows at 4K tokens are
-4.7 MB in bf16, 9.4 MB as float32) was paid for again in page faults, each page zeroed
-by the kernel. Measured on the 2-core VM, an H-only restore of 4096 tokens on the
-multi-head model: 16.1 ms of compute per layer with glibc's defaults (and restores of
-the same plan spread over 260-1250 ms), 8.2 ms with these settings (252-273 ms).
-The settings keep freed blocks in the heap for reuse; the process keeps its peak heap."""
+PyTorch's CPU tensors come from malloc. With glibc's defaults every large temporary of a
+restore is mmap'd, unmapped on free or trimmed off the heap soon after, and so faulted in
+and zeroed again at the next use. The settings keep freed blocks in one heap for reuse: the
+process keeps its peak heap on purpose, and the idle trim leaves it alone."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
 import sys
+import time
 
 log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
 TRIM_THRESHOLD = 1 << 30  # free memory at the heap's top is returned to the system only past this
+IDLE_TRIM_S = 5.0
 
 _done: bool | None = None
+_trimmed = 0.0
 
 
 def tune_allocator() -> bool:
@@ -40,12 +39,24 @@ def tune_allocator() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    # no mmap for blocks (its threshold cannot go past 32 MB: a 16K-token layer's float32
-    # rows are 38 MB); one arena (a thread's own arena lives in 64 MB heaps, deleted as soon
-    # as they are empty, so big temporaries of the engine's thread faulted in again whatever
-    # the thresholds); a trim threshold that keeps what a restore frees for the next layer
+    # no mmap'd blocks (the mmap threshold tops out at 32 MB, below a long prompt's layer rows),
+    # one arena (a thread's own arena is deleted when empty, so its temporaries fault in again),
+    # and a trim threshold above what a restore frees between layers
     settings = ((M_MMAP_MAX, 0), (M_ARENA_MAX, 1), (M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     _done = all(mallopt(k, v) for k, v in settings)
     if not _done:
         log.warning("mallopt refused the allocator settings; large tensors keep costing page faults")
     return _done
+
+
+def trim_when_idle() -> None:
+    """For a service loop with nothing to do. Untuned, glibc keeps what each thread freed in
+    that thread's arena and resident memory creeps up with one thread per open stream, so
+    this hands it back every IDLE_TRIM_S seconds; tuned, the heap is kept on purpose (a
+    trim would make the next restore fault its temporaries in again), so this does nothing."""
+    global _trimmed
+    if _done or time.monotonic() - _trimmed < IDLE_TRIM_S:
+        return
+    _trimmed = time.monotonic()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to hand back
+        ctypes.CDLL(None).malloc_trim(0)

@@ -3,6 +3,7 @@ and the single-sequence reference it must match."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -56,5 +57,5 @@ def turn(engine: Engine, sid: str, **kw: object) -> tuple[list[int], dict]:
     for ev in engine.stream(seq):
         ids += ev.token_ids
         if ev.finished:
-            stats = ev.stats or {}
+            stats = asdict(ev.stats) if ev.stats else {}
     return ids, stats

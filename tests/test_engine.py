@@ -10,7 +10,7 @@ import pytest
 from conftest import tload
 from engine_helpers import make_engine, reference, turn, word_tokenizer
 
-from hcache.engine.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from hcache.engine.errors import EngineError, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from hcache.engine.sampler import SamplingParams
 from hcache.restore.plan import Method
 
@@ -36,7 +36,7 @@ def test_multi_turn_exact_across_evictions_and_methods(tiny, tmp_path):
             if method is not None:
                 eng.evict(s.id)
                 r = eng.restore(s.id, None if method == "auto" else method)
-                assert r["num_tokens"] == len(history) - 1 and not r["fallback_layers"]
+                assert r.num_tokens == len(history) - 1 and not r.fallback_layers
             new = rand_ids(rng, rng.randrange(3, 70))
             got, stats = turn(eng, s.id, token_ids=new, params=p)
             want = reference(tiny, [*history, *new], p, set())
@@ -160,7 +160,7 @@ def test_corrupt_chunk_falls_back_to_recompute(tmp_path, tiny_folder):
             f.seek(row.slot * slab.slot_bytes + 100)
             f.write(bytes([b[0] ^ 0xFF]))
         r = eng.restore(s.id, Method.KV)  # layers 0 and 1 recomputed from tokens
-        assert r["fallback_layers"] == 2 and store.stats.checksum_failures >= 1
+        assert r.fallback_layers == 2 and store.stats.checksum_failures >= 1
         new = rand_ids(rng, 8)
         got2, _ = turn(eng, s.id, token_ids=new, params=p)
         assert got2 == reference(model, ids + got + new, p, set())
@@ -200,6 +200,32 @@ def test_bad_input_changes_nothing(tmp_path, tiny_folder):
             eng.restore("nope")
         after = store.owner_row(s.id)
         assert (after.tokens, after.meta) == (before.tokens, before.meta) and not eng.get(s.id).busy
+    finally:
+        eng.close()
+        store.close()
+
+
+def test_a_failing_step_fails_its_turn_instead_of_hanging(tmp_path, tiny_folder, monkeypatch):
+    model = tload(tiny_folder("llama_gqa"))
+    tok = word_tokenizer(model.cfg.vocab_size)
+    eng, store = make_engine(model, tok, [tmp_path / "s"])
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    try:
+        s = eng.create_session()
+        p = SamplingParams(max_new_tokens=3)
+        got, _ = turn(eng, s.id, token_ids=[1, 2, 3], params=p)
+        for step in ("start", "first_token"):  # while the turn is admitted, and once it is prefilled
+            with monkeypatch.context() as m:
+                m.setattr(eng.runner, step, boom)
+                seq = eng.generate(s.id, token_ids=[4], params=p)
+                assert seq.done.wait(60), step
+                with pytest.raises(EngineError):
+                    list(eng.stream(seq))
+        got2, _ = turn(eng, s.id, token_ids=[4], params=p)  # the session goes on from its last durable turn
+        assert got2 == reference(model, [1, 2, 3, *got, 4], p, set())
     finally:
         eng.close()
         store.close()

@@ -114,7 +114,7 @@ def test_throttled_directory_is_slow_but_exact(tiny, tmp_path):
         eng.evict(s.id)
         store.set_read_cap(nbytes / 0.5 / 1e9)  # half a second for the whole state
         r = eng.restore(s.id, Method.KV)
-        assert r["restore_ms"] > 300
+        assert r.restore_ms > 300
         store.set_read_cap(0)
         new = rand_ids(rng, 6)
         got2, _ = turn(eng, s.id, token_ids=new, params=p)

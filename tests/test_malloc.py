@@ -41,3 +41,33 @@ def test_large_temporaries_stop_faulting_pages() -> None:
     # glibc's defaults: ~37000 pages (150 MB) faulted in and zeroed again every round
     assert faults("default") > 10000
     assert faults("tuned") < 1000
+
+
+# what the engine loop's idle trim hands back after a restore's temporaries, against a plain malloc_trim
+IDLE = """
+import ctypes, os, sys, torch
+import hcache.malloc as m
+assert m.tune_allocator()
+rows = torch.randn(16384, 576).bfloat16()
+for _ in range(3):
+    (rows.float() * 2).sum()
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+before = rss()
+if sys.argv[1] == "idle":
+    m._trimmed = float("-inf")
+    m.trim_when_idle()
+else:
+    ctypes.CDLL(None).malloc_trim(0)
+print(before - rss())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_idle_trim_keeps_the_tuned_heap() -> None:
+    def released(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", IDLE, mode], capture_output=True, text=True, check=True)
+        return int(out.stdout.split()[-1])
+
+    assert released("trim") > 32 << 20  # a temporary's 37 MB at least
+    assert released("idle") < 1 << 20

@@ -55,3 +55,8 @@ def test_a_tiny_temperature_samples_the_top_token_instead_of_failing() -> None:
     for top_p in (1.0, 1.1754943508222875e-38):
         s = Sampler(SamplingParams(temperature=1.1754943508222875e-38, top_p=top_p, top_k=65, seed=241))
         assert s(logits) == 1
+
+
+def test_tiny_temperature_samples_the_max_instead_of_nan() -> None:
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])  # 3.0 / 1.2e-38 overflows float32
+    assert Sampler(SamplingParams(temperature=1.1754943508222875e-38, seed=0))(logits) == 1

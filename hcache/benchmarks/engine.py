@@ -25,18 +25,19 @@ import torch
 from hcache.benchmarks import report
 from hcache.config import EngineConfig, StorageConfig
 from hcache.engine.engine import Engine
+from hcache.engine.records import TurnStats
 from hcache.engine.sampler import SamplingParams
 from hcache.model.loader import load
 from hcache.restore import profiler
 from hcache.storage.store import ChunkStore
 
 
-def _turn(engine: Engine, sid: str, ids: list[int], max_new: int = 1) -> dict:
+def _turn(engine: Engine, sid: str, ids: list[int], max_new: int = 1) -> TurnStats:
     seq = engine.generate(sid, token_ids=ids, params=SamplingParams(max_new_tokens=max_new, ignore_eos=True))
-    stats: dict = {}
+    stats = TurnStats()
     for ev in engine.stream(seq):
-        if ev.finished:
-            stats = ev.stats or {}
+        if ev.finished and ev.stats is not None:
+            stats = ev.stats
     return stats
 
 
@@ -71,14 +72,14 @@ def run(args: argparse.Namespace) -> dict:
                 engine.cfg.fused = mode == "fused"
                 s = engine.create_session(context_ids=[ctx.id])
                 st = _turn(engine, s.id, [rng.randrange(vocab) for _ in range(args.turn)])
-                rows[mode].append(st["ttft_ms"])
-                plans.add(st["layers"])
+                rows[mode].append(st.ttft_ms)
+                plans.add(st.plan.layers)
                 engine.delete(s.id)
             s = engine.create_session(context_ids=[ctx.id])
             r = engine.restore(s.id)
-            rows["restore"].append(r["restore_ms"])
+            rows["restore"].append(r.restore_ms)
             st = _turn(engine, s.id, [rng.randrange(vocab) for _ in range(args.turn)])
-            rows["turn_prefill"].append(st["prefill_ms"])
+            rows["turn_prefill"].append(st.prefill_ms)
             engine.delete(s.id)
         engine.cfg.fused = True
         med = {k: statistics.median(v) for k, v in rows.items()}
@@ -127,7 +128,7 @@ def _decode_tbt(
             r = engine.restore(s.id)
             restoring[0] = False
             windows.append((t0, time.perf_counter()))
-            restores.append(r["restore_ms"])
+            restores.append(r.restore_ms)
             engine.delete(s.id)
 
     th = threading.Thread(target=restorer) if ctx else None

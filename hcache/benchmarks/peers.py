@@ -30,7 +30,9 @@ import torch
 from hcache.benchmarks import report
 from hcache.config import EngineConfig, StorageConfig
 from hcache.engine.engine import Engine
+from hcache.engine.records import TurnStats
 from hcache.engine.sampler import SamplingParams
+from hcache.engine.sequence import Sequence
 from hcache.model.loader import default_model_path, load
 from hcache.restore import profiler
 from hcache.restore.plan import Method
@@ -215,17 +217,16 @@ def hcache_rows(args: argparse.Namespace, doc: list[int], turn: list[int]) -> tu
                 s = engine.create_session(context_ids=[ctx.id])
                 r = engine.restore(s.id, method)
                 seq = engine.generate(s.id, token_ids=turn, params=one)
-                st = next(ev.stats for ev in engine.stream(seq) if ev.finished) or {}
-                row[f"restore_{name}_ms"] = r["restore_ms"]
-                row[f"turn_after_{name}_ms"] = st["ttft_ms"]
-                row[f"bytes_{name}"] = r["bytes_read"]
+                st = _last_stats(engine, seq)
+                row[f"restore_{name}_ms"] = r.restore_ms
+                row[f"turn_after_{name}_ms"] = st.ttft_ms
+                row[f"bytes_{name}"] = r.bytes_read
                 if name == "auto":
-                    row["auto_plan"] = r["layers"]
+                    row["auto_plan"] = r.plan.layers
                 engine.delete(s.id)
             s = engine.create_session(context_ids=[ctx.id])  # evicted session, new turn: restore fused
             seq = engine.generate(s.id, token_ids=turn, params=one)
-            st = next(ev.stats for ev in engine.stream(seq) if ev.finished) or {}
-            row["ttft_after_eviction_ms"] = st["ttft_ms"]
+            row["ttft_after_eviction_ms"] = _last_stats(engine, seq).ttft_ms
             engine.delete(s.id)
             rows.append(row)
             print(f"hcache {n}: {row}", flush=True)
@@ -234,6 +235,10 @@ def hcache_rows(args: argparse.Namespace, doc: list[int], turn: list[int]) -> tu
         engine.close()
         store.close()
     return rows, decode
+
+
+def _last_stats(engine: Engine, seq: Sequence) -> TurnStats:
+    return next(ev.stats for ev in engine.stream(seq) if ev.finished) or TurnStats()
 
 
 def _hcache_decode(engine: Engine, doc: list[int], batches: list[int], prompt: int, steps: int) -> dict[str, float]:
@@ -245,9 +250,9 @@ def _hcache_decode(engine: Engine, doc: list[int], batches: list[int], prompt: i
             engine.generate(s.id, token_ids=[doc[(i * 7 + j) % len(doc)] for j in range(prompt)], params=params)
             for i, s in enumerate(sessions)
         ]
-        stats = [next(ev.stats for ev in engine.stream(q) if ev.finished) or {} for q in seqs]
+        stats = [_last_stats(engine, q) for q in seqs]
         # steps where every sequence decodes together: the later half of each sequence's gaps
-        gaps = [g for st in stats for g in st["tbt_ms"][len(st["tbt_ms"]) // 2 :]]
+        gaps = [g for st in stats for g in st.tbt_ms[len(st.tbt_ms) // 2 :]]
         med = statistics.median(gaps)
         out["tbt_b1_ms" if b == 1 else f"tokens_per_s_b{b}"] = med if b == 1 else b / (med / 1e3)
         for s in sessions:

@@ -78,10 +78,6 @@ class ChatSession:
             self.messages.append({"role": "system", "content": system_prompt})
             self._prefill(self.tok.encode_chat(self.messages, add_generation_prompt=False))
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.state.tokens)
-
     def _prefill(self, ids: list[int]) -> None:
         for _ in generate(self.model, self._live(), ids, SamplingParams(max_new_tokens=1), set(), self.state):
             pass

@@ -47,8 +47,10 @@ class Sampler:
         if p.temperature == 0:
             return int(logits.argmax())
         logits = logits.float().cpu()
-        # from the largest logit down: a tiny temperature scales the rest to -inf, never to inf - inf
-        logits = (logits - logits.max()) / p.temperature
+        scaled = logits / p.temperature
+        if not torch.isfinite(scaled).all():  # a temperature this small overflows float32: shift to the max first
+            scaled = (logits - logits.max()) / p.temperature
+        logits = scaled
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

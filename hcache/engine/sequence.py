@@ -7,12 +7,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from hcache.engine.block_pool import PagedCache
 from hcache.engine.prefill import PrefillJob
+from hcache.engine.records import PlanSummary, RestoreResult, SessionMeta, TurnStats
 from hcache.engine.sampler import Sampler, SamplingParams
 from hcache.restore.plan import Method, Plan
 
@@ -57,20 +59,47 @@ class Session:
     def own_tokens(self) -> list[int]:
         return self.tokens[self.base :]
 
-    def meta(self) -> dict[str, Any]:
+    def meta(self) -> SessionMeta:
         """What the manifest keeps next to the token ids (restored after a restart)."""
-        return {
-            "prefix": self.prefix,
-            "parent": self.parent,
-            "base": self.base,
-            "messages": self.messages,
-            "mode": self.mode,
-            "pending": self.pending,
-            "labels": self.labels,
-            "context_ids": self.context_ids,
-            "turns": self.turns,
-            "tenant": self.tenant,
-        }
+        return SessionMeta(
+            prefix=self.prefix,
+            parent=self.parent,
+            base=self.base,
+            messages=self.messages,
+            mode=self.mode,
+            pending=self.pending,
+            labels=self.labels,
+            context_ids=self.context_ids,
+            turns=self.turns,
+            tenant=self.tenant,
+        )
+
+    @classmethod
+    def from_meta(
+        cls, sid: str, kind: str, meta: SessionMeta, tokens: list[int], created: float, updated: float
+    ) -> Session:
+        m = meta
+        return cls(
+            id=sid,
+            kind=kind,
+            prefix=m.prefix,
+            parent=m.parent,
+            base=m.base,
+            tokens=tokens,
+            messages=m.messages,
+            mode=m.mode,
+            pending=m.pending,
+            labels=m.labels,
+            context_ids=m.context_ids,
+            turns=m.turns,
+            tenant=m.tenant,
+            created=created,
+            updated=updated,
+        )
+
+    def rewind(self, meta: SessionMeta) -> None:
+        """Back to the conversation a stored meta describes (its last durable turn)."""
+        self.messages, self.mode, self.pending, self.turns = meta.messages, meta.mode, meta.pending, meta.turns
 
 
 class TextStream:
@@ -120,17 +149,16 @@ class Event:
     token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: str = ""
-    stats: dict[str, Any] | None = None
+    stats: TurnStats | None = None
     error: Exception | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     session: Session
     new_tokens: list[int]  # to prefill after what the session keeps
     keep: int  # tokens of the session's state this turn builds on
     params: SamplingParams
-    stops: list[str]
     stop_ids: set[int]
     max_tokens: int  # context limit: no token is fed at or past this position
     sample: bool = True  # False: prefill only (a context), no reply
@@ -140,14 +168,15 @@ class Sequence:
     phase: Phase = Phase.WAITING
     sampler: Sampler | None = None
     job: PrefillJob | None = None
-    steps: Any = None  # the job's generator
+    steps: Iterator[bool] | None = None  # the job's run()
     generated: list[int] = field(default_factory=list)
     text: TextStream | None = None
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     finish_reason: str = ""
-    result: Any = None  # restore-only: the report; after finishing: the stats
+    restored: RestoreResult | None = None  # what a restore-only request reports
+    error: Exception | None = None  # why the request failed
     plan: Plan | None = None
     predicted_ms: float | None = None
     t_submit: float = field(default_factory=time.perf_counter)
@@ -161,3 +190,57 @@ class Sequence:
     def position(self) -> int:
         """Where the next fed token goes."""
         return len(self.session.tokens)
+
+    def push(self, token: int) -> tuple[Event, str]:
+        """Take a sampled token: its stream event, and why the turn ends here ("" when it goes on)."""
+        self.generated.append(token)
+        self.t_last = time.perf_counter()
+        assert self.text is not None
+        stop = token in self.stop_ids
+        event = Event("" if stop else self.text.push(token), [token])
+        if stop or self.text.stopped:
+            return event, "stop"
+        if len(self.generated) >= self.params.max_new_tokens or self.position + 1 >= self.max_tokens:
+            return event, "length"
+        return event, "cancelled" if self.cancelled.is_set() else ""
+
+    def end_turn(self, decode: Callable[[list[int]], str]) -> None:
+        """The reply joins the session's conversation (chat), or waits to be fed (token turns)."""
+        s = self.session
+        assert self.text is not None
+        if s.mode == "chat":
+            reply = self.text.text if self.text.stopped else decode(self.generated)
+            user = {"role": "user", "content": self.user_message or ""}
+            s.messages = [*s.messages, user, {"role": "assistant", "content": reply}]
+        else:
+            s.pending = self.generated[-1]
+        s.turns += 1
+
+    def turn_stats(self) -> TurnStats:
+        rep = self.job.report if self.job else None
+        end = self.t_last or time.perf_counter()
+        return TurnStats(
+            restore_ms=rep.restore_ms if rep and self.plan else 0.0,
+            prefill_ms=rep.prefill_ms if rep else 0.0,
+            ttft_ms=(self.t_first - self.t_submit) * 1e3 if self.t_first else 0.0,
+            queue_ms=(self.t_start - self.t_submit) * 1e3 if self.t_start else 0.0,
+            decode_ms=(end - self.t_first) * 1e3 if self.t_first else 0.0,
+            plan=PlanSummary.of(self.plan),
+            prompt_tokens=len(self.new_tokens),
+            cached_tokens=self.keep,
+            completion_tokens=len(self.generated),
+            bytes_read=rep.bytes_read if rep else 0,
+            fallback_layers=rep.fallback_layers if rep else 0,
+            tbt_ms=list(self.tbt_ms),
+        )
+
+    def restore_result(self) -> RestoreResult:
+        rep = self.job.report if self.job else None
+        return RestoreResult(
+            num_tokens=self.keep,
+            restore_ms=rep.restore_ms if rep else 0.0,
+            predicted_ms=self.predicted_ms or 0.0,
+            bytes_read=rep.bytes_read if rep else 0,
+            fallback_layers=rep.fallback_layers if rep else 0,
+            plan=PlanSummary.of(self.plan),
+        )

@@ -8,7 +8,8 @@ import secrets
 
 import torch
 
-from hcache.engine.errors import FailedPrecondition, InvalidArgument, NotFound
+from hcache.engine.errors import FailedPrecondition, NotFound
+from hcache.engine.records import SessionMeta
 from hcache.engine.sequence import Session
 from hcache.model.base import DecoderModel
 from hcache.restore.partitioner import PlannedRestore, partition, partition_stored, storage_kinds
@@ -49,26 +50,10 @@ class Registry:
     def _load(self) -> None:
         rows = {r.owner: r for r in self.store.owners()}
         for r in sorted(rows.values(), key=lambda r: r.kind != "context"):  # contexts first
-            meta = r.meta
-            parent = meta.get("parent")
+            meta = SessionMeta.from_dict(r.meta)
+            parent = meta.parent
             prefix_tokens = rows[parent].tokens if parent in rows else []
-            s = Session(
-                id=r.owner,
-                kind=r.kind,
-                prefix=list(meta.get("prefix", [])),
-                parent=parent,
-                base=int(meta.get("base", 0)),
-                tokens=prefix_tokens + r.tokens,
-                messages=list(meta.get("messages", [])),
-                mode=meta.get("mode", ""),
-                pending=meta.get("pending"),
-                labels=dict(meta.get("labels", {})),
-                context_ids=list(meta.get("context_ids", [])),
-                turns=int(meta.get("turns", 0)),
-                tenant=meta.get("tenant"),
-                created=r.created,
-                updated=r.updated,
-            )
+            s = Session.from_meta(r.owner, r.kind, meta, prefix_tokens + r.tokens, r.created, r.updated)
             if r.fingerprint != self.fingerprint:
                 s.error = f"{r.kind} {r.owner} was saved by another model; it cannot be continued with this one"
             elif parent is not None and parent not in rows:
@@ -107,7 +92,7 @@ class Registry:
             context_ids=context_ids,
             tenant=tenant,
         )
-        self.store.create_owner(s.id, list(self.kinds), self.fingerprint, kind=kind, meta=s.meta())
+        self.store.create_owner(s.id, list(self.kinds), self.fingerprint, kind=kind, meta=s.meta().to_dict())
         self.sessions[s.id] = s
         return s
 
@@ -157,9 +142,3 @@ class Registry:
         geom = Geometry.of(self.model.cfg, torch.finfo(self.model.dtype).bits // 8)
         res: PlannedRestore = partition_stored(geom, profile, n, stored, cap_gbps)
         return res.plan, res.makespan_ms
-
-
-def check_tokens(ids: list[int], vocab: int) -> None:
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise InvalidArgument(f"token ids outside the vocabulary (0..{vocab - 1}): {bad[:5]}")

@@ -46,7 +46,6 @@ class Running:
     cfg: Config
     stopped: threading.Event
     side: SidePort | None = None
-    metrics: Metrics | None = None
 
     @property
     def http_port(self) -> int | None:
@@ -136,7 +135,7 @@ def start(cfg: Config, profile: Profile | None = None, loaded: LoadedModel | Non
     for name in ("", SERVICE):
         hs.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("hcache serving %s on %s:%d (HTTP %s)", engine.model_name, s.host, port, side.port if side else "off")
-    return Running(server, engine, store, hs, port, cfg, threading.Event(), side, metrics)
+    return Running(server, engine, store, hs, port, cfg, threading.Event(), side)
 
 
 def wait_until_set(done: threading.Event, poll_s: float = 0.2) -> None:

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hcache.engine.records import StorageState
 from hcache.engine.telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -95,39 +96,35 @@ class Metrics(Telemetry):
         """Per-directory read/write MB/s since the previous sample (the HTTP server calls this every 2 s)."""
         if self.engine is None:
             return
-        st = self.engine.store
+        st = StorageState.of(self.engine.store)  # the snapshot's storage part, without the engine's lock
         now = time.monotonic()
-        reads = list(st.stats.read_bytes_by_dir)
-        writes = [u.bytes_written for u in st.usage()]
+        reads = st.read_bytes_by_dir
+        writes = [u.bytes_written for u in st.dirs]
         if self._last is not None:
             t0, r0, w0 = self._last
             dt = max(1e-6, now - t0)
-            for d, path in enumerate(st.dirs):
-                self._rates[str(path)] = ((reads[d] - r0[d]) / dt / 1e6, (writes[d] - w0[d]) / dt / 1e6)
+            for d, u in enumerate(st.dirs):
+                self._rates[u.path] = ((reads[d] - r0[d]) / dt / 1e6, (writes[d] - w0[d]) / dt / 1e6)
         self._last = (now, reads, writes)
 
     def dashboard(self) -> dict[str, Any]:
-        e = self.engine
-        assert e is not None
-        with e.lock:
-            sessions = sorted(e.registry.sessions.values(), key=lambda s: -s.last_used)[:200]
-            rows = [
-                {
-                    "id": s.id,
-                    "kind": s.kind,
-                    "tokens": len(s.tokens),
-                    "resident": s.resident,
-                    "busy": s.busy,
-                    "turns": s.turns,
-                    "plan": s.last_plan.mix() if s.last_plan else "",
-                    "restore_ms": round(s.last_restore_ms, 1) if s.last_plan else None,
-                }
-                for s in sessions
-            ]
-            n_sessions = sum(1 for s in e.registry.sessions.values() if s.kind == "session")
-            resident = sum(1 for s in e.registry.sessions.values() if s.resident)
+        assert self.engine is not None
+        snap = self.engine.snapshot()
+        rows = [
+            {
+                "id": r.id,
+                "kind": r.kind,
+                "tokens": r.tokens,
+                "resident": r.resident,
+                "busy": r.busy,
+                "turns": r.turns,
+                "plan": r.last_plan,
+                "restore_ms": None if r.last_restore_ms is None else round(r.last_restore_ms, 1),
+            }
+            for r in snap.recent
+        ]
         storage = []
-        for u in e.store.usage():
+        for u in snap.storage.dirs:
             rd, wr = self._rates.get(u.path, (0.0, 0.0))
             storage.append(
                 {
@@ -153,67 +150,61 @@ class Metrics(Telemetry):
                 }
                 for b in self._buckets
             ]
-        c, st = e.counters, e.store.stats
+        c = snap.counters
         return {
-            "time": time.time(),
-            "model": e.model_name,
-            "draining": e.draining,
+            "time": snap.time,
+            "model": snap.model,
+            "draining": snap.draining,
             "sessions": rows,
             "storage": storage,
             "history": history,
             "totals": {
-                "sessions": n_sessions,
-                "resident_sessions": resident,
-                "resident_bytes": e.resident_bytes(),
-                "budget_bytes": e.budget_bytes(),
+                "sessions": snap.sessions,
+                "resident_sessions": snap.resident_sessions,
+                "resident_bytes": snap.resident_bytes,
+                "budget_bytes": snap.budget_bytes,
                 "restores": c.restores,
                 "evictions": c.evictions,
                 "fallback_layers": c.fallback_layers,
-                "checksum_failures": st.checksum_failures,
+                "checksum_failures": snap.storage.checksum_failures,
                 "generated_tokens": c.generated_tokens,
-                "queue_depth": e.queue_depth(),
+                "queue_depth": snap.queue.by_phase(),
             },
         }
 
 
 class _StateCollector(Collector):
-    """Gauges and counters that are engine or store state, read when Prometheus scrapes."""
+    """Gauges and counters that are engine or store state, read from one snapshot per scrape."""
 
     def __init__(self, engine: Engine):
         self.e = engine
 
     def collect(self) -> Iterator[Metric]:
-        e, st = self.e, self.e.store.stats
+        snap = self.e.snapshot()
+        c, st = snap.counters, snap.storage
         yield CounterMetricFamily("hcache_checksum_failures", "Chunks that failed their checksum", st.checksum_failures)
         yield CounterMetricFamily(
-            "hcache_recompute_fallback_layers",
-            "Layers recomputed because stored state was unusable",
-            e.counters.fallback_layers,
+            "hcache_recompute_fallback_layers", "Layers recomputed because stored state was unusable", c.fallback_layers
         )
-        yield CounterMetricFamily("hcache_evictions", "Sessions whose KV left memory", e.counters.evictions)
-        yield CounterMetricFamily("hcache_restores", "Restores", e.counters.restores)
-        yield CounterMetricFamily("hcache_generated_tokens", "Tokens generated", e.counters.generated_tokens)
-        yield CounterMetricFamily(
-            "hcache_staging_producer_waits", "Times a full staging ring blocked", e.store.ring.waits
-        )
-        yield GaugeMetricFamily("hcache_staging_ring_used_bytes", "Staging ring occupancy", e.store.ring.used_bytes())
-        yield GaugeMetricFamily("hcache_staging_ring_capacity_bytes", "Staging ring size", e.store.ring.capacity)
-        with e.lock:
-            resident = sum(1 for s in e.registry.sessions.values() if s.resident)
-            sessions = sum(1 for s in e.registry.sessions.values() if s.kind == "session")
-        yield GaugeMetricFamily("hcache_sessions", "Sessions known", sessions)
-        yield GaugeMetricFamily("hcache_resident_sessions", "Sessions whose KV is in memory", resident)
-        yield GaugeMetricFamily("hcache_resident_bytes", "KV memory held by sessions", e.resident_bytes())
-        yield GaugeMetricFamily("hcache_resident_budget_bytes", "KV memory budget", e.budget_bytes())
+        yield CounterMetricFamily("hcache_evictions", "Sessions whose KV left memory", c.evictions)
+        yield CounterMetricFamily("hcache_restores", "Restores", c.restores)
+        yield CounterMetricFamily("hcache_generated_tokens", "Tokens generated", c.generated_tokens)
+        yield CounterMetricFamily("hcache_staging_producer_waits", "Times a full staging ring blocked", st.ring_waits)
+        yield GaugeMetricFamily("hcache_staging_ring_used_bytes", "Staging ring occupancy", st.ring_used_bytes)
+        yield GaugeMetricFamily("hcache_staging_ring_capacity_bytes", "Staging ring size", st.ring_capacity_bytes)
+        yield GaugeMetricFamily("hcache_sessions", "Sessions known", snap.sessions)
+        yield GaugeMetricFamily("hcache_resident_sessions", "Sessions whose KV is in memory", snap.resident_sessions)
+        yield GaugeMetricFamily("hcache_resident_bytes", "KV memory held by sessions", snap.resident_bytes)
+        yield GaugeMetricFamily("hcache_resident_budget_bytes", "KV memory budget", snap.budget_bytes)
         q = GaugeMetricFamily("hcache_queue_depth", "Sequences per phase", labels=["phase"])
-        for phase, n in e.queue_depth().items():
+        for phase, n in snap.queue.by_phase().items():
             q.add_metric([phase], n)
         yield q
         rd = CounterMetricFamily("hcache_storage_read_bytes", "Bytes read per storage directory", labels=["dir"])
         wr = CounterMetricFamily("hcache_storage_written_bytes", "Bytes written per storage directory", labels=["dir"])
         used = GaugeMetricFamily("hcache_storage_used_bytes", "Bytes held by chunks per directory", labels=["dir"])
         free = GaugeMetricFamily("hcache_storage_free_bytes", "Free bytes of the filesystem", labels=["dir"])
-        for d, u in enumerate(e.store.usage()):
+        for d, u in enumerate(st.dirs):
             rd.add_metric([u.path], st.read_bytes_by_dir[d])
             wr.add_metric([u.path], u.bytes_written)
             used.add_metric([u.path], u.used_bytes)

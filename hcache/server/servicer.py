@@ -14,8 +14,9 @@ from google.protobuf import empty_pb2
 
 from hcache.engine.engine import Engine
 from hcache.engine.errors import EngineError, InvalidArgument
+from hcache.engine.records import EngineSnapshot, PlanSummary, RestoreResult, TurnStats
 from hcache.engine.sampler import SamplingParams
-from hcache.engine.sequence import Session
+from hcache.engine.sequence import Event, Session
 from hcache.restore.plan import Method
 from hcache.server.auth import tenant_var
 from hcache.storage.errors import StorageError, StorageFull, UnknownOwner
@@ -63,8 +64,12 @@ def rpc(fn: F) -> F:
     return wrapped  # type: ignore[return-value]
 
 
+# --- engine records -> protos, in one place ----------------------------------------
+def plan_pb(p: PlanSummary) -> pb.Plan:
+    return pb.Plan(recompute=p.recompute, hidden=p.hidden, kv=p.kv, layers=p.layers)
+
+
 def session_pb(s: Session) -> pb.Session:
-    plan = s.last_plan.counts() if s.last_plan else {}
     return pb.Session(
         session_id=s.id,
         num_tokens=len(s.tokens),
@@ -73,16 +78,79 @@ def session_pb(s: Session) -> pb.Session:
         context_ids=s.context_ids,
         turns=s.turns,
         busy=s.busy,
-        last_plan=_plan_pb(plan, s.last_plan.letters if s.last_plan else ""),
+        last_plan=plan_pb(PlanSummary.of(s.last_plan)),
         last_restore_ms=s.last_restore_ms,
         created_unix=s.created,
         updated_unix=s.updated,
     )
 
 
-def _plan_pb(counts: dict[str, int], layers: str) -> pb.Plan:
-    return pb.Plan(
-        recompute=counts.get("recompute", 0), hidden=counts.get("hidden", 0), kv=counts.get("kv", 0), layers=layers
+def context_pb(c: Session) -> pb.Context:
+    return pb.Context(context_id=c.id, num_tokens=len(c.tokens), labels=c.labels)
+
+
+def event_pb(ev: Event) -> pb.GenerateResponse:
+    if not ev.finished:
+        return pb.GenerateResponse(text=ev.text, token_ids=ev.token_ids)
+    stats = turn_stats_pb(ev.stats or TurnStats())
+    return pb.GenerateResponse(finished=True, finish_reason=ev.finish_reason, stats=stats)
+
+
+def turn_stats_pb(st: TurnStats) -> pb.GenerateStats:
+    return pb.GenerateStats(
+        restore_ms=st.restore_ms,
+        prefill_ms=st.prefill_ms,
+        ttft_ms=st.ttft_ms,
+        plan=plan_pb(st.plan),
+        prompt_tokens=st.prompt_tokens,
+        cached_tokens=st.cached_tokens,
+        completion_tokens=st.completion_tokens,
+        queue_ms=st.queue_ms,
+        decode_ms=st.decode_ms,
+        bytes_read=st.bytes_read,
+        fallback_layers=st.fallback_layers,
+    )
+
+
+def restore_pb(r: RestoreResult) -> pb.RestoreResponse:
+    return pb.RestoreResponse(
+        restore_ms=r.restore_ms,
+        plan=plan_pb(r.plan),
+        bytes_read=r.bytes_read,
+        predicted_ms=r.predicted_ms,
+        num_tokens=r.num_tokens,
+        fallback_layers=r.fallback_layers,
+        already_resident=r.already_resident,
+    )
+
+
+def stats_pb(snap: EngineSnapshot) -> pb.Stats:
+    c, st = snap.counters, snap.storage
+    return pb.Stats(
+        sessions=snap.sessions,
+        resident_sessions=snap.resident_sessions,
+        resident_bytes=snap.resident_bytes,
+        budget_bytes=snap.budget_bytes,
+        contexts=snap.contexts,
+        queue_depth=snap.queue.by_phase(),
+        evictions=c.evictions,
+        restores=c.restores,
+        fallback_layers=c.fallback_layers,
+        checksum_failures=st.checksum_failures,
+        bytes_read=st.bytes_read,
+        dirs=[
+            pb.DirStats(
+                path=u.path,
+                used_bytes=u.used_bytes,
+                free_bytes=u.fs_free_bytes,
+                bytes_written=u.bytes_written,
+                chunks=u.chunks,
+            )
+            for u in st.dirs
+        ],
+        generated_tokens=c.generated_tokens,
+        model=snap.model,
+        draining=snap.draining,
     )
 
 
@@ -124,27 +192,7 @@ class Servicer(pb_grpc.HCacheServicer):
         context.add_callback(lambda: self.engine.cancel(seq))  # runs when the client goes away, too
         try:
             for ev in self.engine.stream(seq):
-                if ev.finished:
-                    st = ev.stats or {}
-                    yield pb.GenerateResponse(
-                        finished=True,
-                        finish_reason=ev.finish_reason,
-                        stats=pb.GenerateStats(
-                            restore_ms=st.get("restore_ms", 0.0),
-                            prefill_ms=st.get("prefill_ms", 0.0),
-                            ttft_ms=st.get("ttft_ms", 0.0),
-                            plan=_plan_pb(st.get("plan", {}), st.get("layers", "")),
-                            prompt_tokens=st.get("prompt_tokens", 0),
-                            cached_tokens=st.get("cached_tokens", 0),
-                            completion_tokens=st.get("completion_tokens", 0),
-                            queue_ms=st.get("queue_ms", 0.0),
-                            decode_ms=st.get("decode_ms", 0.0),
-                            bytes_read=st.get("bytes_read", 0),
-                            fallback_layers=st.get("fallback_layers", 0),
-                        ),
-                    )
-                else:
-                    yield pb.GenerateResponse(text=ev.text, token_ids=ev.token_ids)
+                yield event_pb(ev)
         except Exception as e:
             _abort(context, e)
 
@@ -152,16 +200,7 @@ class Servicer(pb_grpc.HCacheServicer):
     def RestoreSession(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.RestoreResponse:
         if request.method not in METHODS:
             raise InvalidArgument(f"unknown restore method {request.method}")
-        r = self.engine.restore(request.session_id, METHODS[request.method], tenant_var.get())
-        return pb.RestoreResponse(
-            restore_ms=r.get("restore_ms", 0.0),
-            plan=_plan_pb(r.get("plan", {}), r.get("layers", "")),
-            bytes_read=r.get("bytes_read", 0),
-            predicted_ms=r.get("predicted_ms", 0.0),
-            num_tokens=r.get("num_tokens", 0),
-            fallback_layers=r.get("fallback_layers", 0),
-            already_resident=r.get("already_resident", False),
-        )
+        return restore_pb(self.engine.restore(request.session_id, METHODS[request.method], tenant_var.get()))
 
     @rpc
     def EvictSession(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.Session:
@@ -193,36 +232,8 @@ class Servicer(pb_grpc.HCacheServicer):
         c = self.engine.precompute_context(
             request.text, list(request.token_ids), dict(request.labels), tenant_var.get()
         )
-        return pb.Context(context_id=c.id, num_tokens=len(c.tokens), labels=c.labels)
+        return context_pb(c)
 
     @rpc
     def GetStats(self, request: empty_pb2.Empty, context: grpc.ServicerContext) -> pb.Stats:
-        e = self.engine
-        st = e.store.stats
-        sessions = e.list()
-        return pb.Stats(
-            sessions=len(sessions),
-            resident_sessions=sum(s.resident for s in sessions),
-            resident_bytes=e.resident_bytes(),
-            budget_bytes=e.budget_bytes(),
-            contexts=len(e.list("context")),
-            queue_depth=e.queue_depth(),
-            evictions=e.counters.evictions,
-            restores=e.counters.restores,
-            fallback_layers=e.counters.fallback_layers,
-            checksum_failures=st.checksum_failures,
-            bytes_read=st.bytes_read,
-            dirs=[
-                pb.DirStats(
-                    path=u.path,
-                    used_bytes=u.used_bytes,
-                    free_bytes=u.fs_free_bytes,
-                    bytes_written=u.bytes_written,
-                    chunks=u.chunks,
-                )
-                for u in e.store.usage()
-            ],
-            generated_tokens=e.counters.generated_tokens,
-            model=e.model_name,
-            draining=e.draining,
-        )
+        return stats_pb(self.engine.snapshot())

@@ -1,0 +1,65 @@
+"""What the engine refuses before it queues anything: malformed input, a session in use
+or beyond repair, and a tenant's limits. Nothing here changes state."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from hcache.engine.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from hcache.engine.sampler import SamplingParams
+from hcache.engine.sequence import Session
+
+MAX_STOPS, MAX_STOP_CHARS = 16, 256
+
+
+def exactly_one(text: str, token_ids: list[int] | None, message: str) -> None:
+    if bool(text) == bool(token_ids):
+        raise InvalidArgument(message)
+
+
+def sampling(params: SamplingParams, stops: list[str], max_position: int) -> None:
+    try:
+        params.validate()
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None
+    if params.max_new_tokens > max_position:
+        raise InvalidArgument(f"max_new_tokens {params.max_new_tokens} exceeds the model's context of {max_position}")
+    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise InvalidArgument(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters")
+
+
+def tokens(ids: list[int], vocab: int) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise InvalidArgument(f"token ids outside the vocabulary (0..{vocab - 1}): {bad[:5]}")
+
+
+def not_busy(s: Session) -> None:
+    if s.busy:
+        raise FailedPrecondition(f"{s.kind} {s.id} is busy with another request")
+
+
+def usable(s: Session) -> None:
+    """Idle, and its stored state can be continued by this model."""
+    not_busy(s)
+    if s.error:
+        raise FailedPrecondition(s.error)
+
+
+def session_limit(owners: Iterable[Session], tenant: str | None, limit: int) -> None:
+    if tenant is not None and limit:
+        n = sum(1 for s in owners if s.tenant == tenant and s.kind == "session")
+        if n >= limit:
+            raise ResourceExhausted(f"this API key already has {n} sessions (the limit is {limit})")
+
+
+def storage_quota(owners: Iterable[Session], tenant: str | None, more_tokens: int, per_token: int, limit: int) -> None:
+    """Refuse work that could take a tenant's stored state past its quota."""
+    if tenant is None or not limit:
+        return
+    used = sum(len(s.own_tokens) for s in owners if s.tenant == tenant)
+    if (used + more_tokens) * per_token > limit:
+        raise ResourceExhausted(
+            f"this API key stores {used * per_token / 1e6:.1f} MB; this request could take it past "
+            f"its {limit / 1e6:.1f} MB quota (delete sessions to make room)"
+        )

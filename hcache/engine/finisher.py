@@ -1,0 +1,101 @@
+"""How a request ends. A finished turn becomes durable off the loop thread (the
+manifest commit waits for its chunks), then its stream's last event goes out and the
+session takes requests again; a failed one takes the session back to its last durable
+turn, which is what the store holds."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from hcache.engine.errors import EngineError, ResourceExhausted
+from hcache.engine.records import SessionMeta
+from hcache.engine.scheduler import Scheduler
+from hcache.engine.sequence import Event, Phase, Sequence
+from hcache.storage.errors import StorageError, StorageFull
+from hcache.storage.store import ChunkStore
+
+log = logging.getLogger(__name__)
+
+
+class Finisher:
+    def __init__(
+        self,
+        store: ChunkStore,
+        scheduler: Scheduler,
+        lock: threading.RLock,
+        decode: Callable[[list[int]], str],
+        wake: Callable[[], None],
+    ):
+        self.store, self.scheduler, self.lock, self.decode, self.wake = store, scheduler, lock, decode, wake
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hcache-durable")
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Called under the lock when the request's work is done."""
+        seq.phase, seq.finish_reason = Phase.FINISHED, reason
+        s = seq.session
+        s.last_used = time.monotonic()
+        if seq.restore_only:
+            s.busy = False
+            seq.done.set()
+            return
+        if seq.sample:
+            seq.end_turn(self.decode)
+        s.updated = time.time()
+        self._pool.submit(self._make_durable, seq, list(s.own_tokens), s.meta().to_dict())
+
+    def _make_durable(self, seq: Sequence, tokens: list[int], meta: dict) -> None:
+        s = seq.session
+        try:
+            self.store.mark_durable(s.id, tokens, meta)
+        except Exception as e:
+            log.error("turn of %s not durable: %s", s.id, e)
+            full = isinstance(e, StorageFull)
+            self.fail(
+                seq,
+                ResourceExhausted(f"storage is full: {e}")
+                if full
+                else EngineError(f"the turn could not be saved: {e}"),
+            )
+            return
+        with self.lock:
+            s.busy = False
+            stats = seq.turn_stats()
+            if not seq.sample and s.kind == "context":
+                self.scheduler.evict(s)  # a context is read from storage by the sessions that use it
+        seq.events.put(Event(finished=True, finish_reason=seq.finish_reason, stats=stats))
+        seq.done.set()
+        self.wake()
+
+    def fail(self, seq: Sequence, err: Exception) -> None:
+        with self.lock:
+            self.scheduler.remove(seq)
+            if seq.job is not None:
+                self._rollback(seq)
+            else:
+                seq.session.mode = seq.prev_mode
+            seq.phase = Phase.FINISHED
+            seq.session.busy = False
+        seq.error = err
+        seq.events.put(Event(error=err))
+        seq.done.set()
+
+    def _rollback(self, seq: Sequence) -> None:
+        """The session becomes what its last durable turn left (the store's word)."""
+        s = seq.session
+        self.scheduler.evict(s)
+        try:
+            row = self.store.owner_row(s.id)
+            self.store.truncate(s.id, row.num_tokens)  # drops staged rows of the failed turn
+        except StorageError:
+            log.exception("reloading %s after a failed turn", s.id)
+            return
+        s.tokens = s.tokens[: s.base] + row.tokens
+        s.rewind(SessionMeta.from_dict(row.meta))
+
+    def close(self) -> None:
+        """Waits for the turns being made durable."""
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,202 @@
+"""Typed records the engine writes and hands out: a turn's stats, a restore's result,
+the engine's state at one moment (what GetStats, /metrics and the dashboard show),
+and the session meta the manifest keeps next to a session's token ids."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hcache.restore.plan import Plan
+from hcache.storage.store import DirUsage
+
+if TYPE_CHECKING:
+    from hcache.engine.sequence import Session
+    from hcache.storage.store import ChunkStore
+
+
+@dataclass
+class Counters:
+    """Totals since the engine started."""
+
+    evictions: int = 0
+    restores: int = 0
+    fallback_layers: int = 0
+    generated_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """Layers per restore method, and the plan as one letter per layer (R, H or K)."""
+
+    recompute: int = 0
+    hidden: int = 0
+    kv: int = 0
+    layers: str = ""
+
+    @classmethod
+    def of(cls, plan: Plan | None) -> PlanSummary:
+        if plan is None:
+            return cls()
+        c = plan.counts()
+        return cls(c["recompute"], c["hidden"], c["kv"], plan.letters)
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    """How one turn went; sent with its stream's last event."""
+
+    restore_ms: float = 0.0
+    prefill_ms: float = 0.0
+    ttft_ms: float = 0.0
+    queue_ms: float = 0.0
+    decode_ms: float = 0.0
+    plan: PlanSummary = PlanSummary()
+    prompt_tokens: int = 0  # fed this turn
+    cached_tokens: int = 0  # kept from the session's state
+    completion_tokens: int = 0
+    bytes_read: int = 0
+    fallback_layers: int = 0
+    tbt_ms: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    already_resident: bool = False
+    num_tokens: int = 0
+    restore_ms: float = 0.0
+    predicted_ms: float = 0.0  # the planner's estimate (0: a forced method)
+    bytes_read: int = 0
+    fallback_layers: int = 0
+    plan: PlanSummary = PlanSummary()
+
+
+@dataclass(frozen=True)
+class QueueDepth:
+    """Sequences per phase."""
+
+    waiting: int = 0
+    restoring: int = 0
+    prefill: int = 0
+    decode: int = 0
+
+    def by_phase(self) -> dict[str, int]:
+        return {"waiting": self.waiting, "restoring": self.restoring, "prefill": self.prefill, "decode": self.decode}
+
+
+@dataclass(frozen=True)
+class SessionRow:
+    """A session or context as the dashboard lists it."""
+
+    id: str
+    kind: str
+    tokens: int
+    resident: bool
+    busy: bool
+    turns: int
+    last_plan: str  # e.g. "RE 2 / H 0 / KV 28"; "" before any restore
+    last_restore_ms: float | None  # None before any restore
+
+    @classmethod
+    def of(cls, s: Session) -> SessionRow:
+        p = s.last_plan
+        return cls(
+            s.id,
+            s.kind,
+            len(s.tokens),
+            s.resident,
+            s.busy,
+            s.turns,
+            p.mix() if p else "",
+            s.last_restore_ms if p else None,
+        )
+
+
+@dataclass(frozen=True)
+class StorageState:
+    checksum_failures: int
+    bytes_read: int
+    read_bytes_by_dir: list[int]
+    dirs: list[DirUsage]
+    ring_used_bytes: int
+    ring_capacity_bytes: int
+    ring_waits: int  # times a full staging ring blocked a producer
+
+    @classmethod
+    def of(cls, store: ChunkStore) -> StorageState:
+        st, ring = store.stats, store.ring
+        return cls(
+            st.checksum_failures,
+            st.bytes_read,
+            list(st.read_bytes_by_dir),
+            store.usage(),
+            ring.used_bytes(),
+            ring.capacity,
+            ring.waits,
+        )
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's and its store's state at one moment."""
+
+    time: float  # Unix seconds
+    model: str
+    draining: bool
+    counters: Counters
+    queue: QueueDepth
+    sessions: int
+    contexts: int
+    resident_sessions: int
+    resident_bytes: int  # KV blocks held by sessions and contexts
+    budget_bytes: int
+    recent: list[SessionRow]  # the most recently used sessions and contexts first
+    storage: StorageState
+
+
+@dataclass
+class SessionMeta:
+    """What the manifest keeps next to a session's token ids: enough to rebuild the session
+    after a restart, or to take it back to its last durable turn."""
+
+    prefix: list[int] = field(default_factory=list)  # token ids of the contexts placed before the conversation
+    parent: str | None = None  # the context whose stored state covers tokens[:base]
+    base: int = 0
+    messages: list[dict[str, str]] = field(default_factory=list)
+    mode: str = ""  # "" until the first turn, then "chat" or "tokens"
+    pending: int | None = None  # the last sampled token (not fed yet), token mode
+    labels: dict[str, str] = field(default_factory=dict)
+    context_ids: list[str] = field(default_factory=list)
+    turns: int = 0
+    tenant: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prefix": list(self.prefix),
+            "parent": self.parent,
+            "base": self.base,
+            "messages": [dict(m) for m in self.messages],
+            "mode": self.mode,
+            "pending": self.pending,
+            "labels": dict(self.labels),
+            "context_ids": list(self.context_ids),
+            "turns": self.turns,
+            "tenant": self.tenant,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SessionMeta:
+        """Missing keys take their defaults."""
+        return cls(
+            prefix=list(d.get("prefix", [])),
+            parent=d.get("parent"),
+            base=int(d.get("base", 0)),
+            messages=[dict(m) for m in d.get("messages", [])],
+            mode=d.get("mode", ""),
+            pending=d.get("pending"),
+            labels=dict(d.get("labels", {})),
+            context_ids=list(d.get("context_ids", [])),
+            turns=int(d.get("turns", 0)),
+            tenant=d.get("tenant"),
+        )

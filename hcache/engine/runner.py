@@ -1,0 +1,111 @@
+"""The model steps of the engine's loop: restore+prefill jobs advanced a layer at a
+time within a time slice, the first token of a prefilled turn, and one batched decode
+step whose hidden states and new K/V go to the store's saver as they are made."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+from hcache.config import EngineConfig
+from hcache.engine.block_pool import BatchCache, PagedCache
+from hcache.engine.errors import EngineError
+from hcache.engine.prefill import PrefillJob
+from hcache.engine.sampler import Sampler
+from hcache.engine.saver import Saver, finish_decode
+from hcache.engine.sequence import Phase, Sequence
+from hcache.model.base import DecoderModel
+from hcache.restore.plan import Plan
+from hcache.restore.state import StateSource
+from hcache.storage.store import ChunkStore
+
+log = logging.getLogger(__name__)
+
+
+class Runner:
+    def __init__(self, model: DecoderModel, store: ChunkStore, cfg: EngineConfig):
+        self.model, self.store, self.cfg = model, store, cfg
+
+    def start(self, seq: Sequence, plan: Plan | None, source: StateSource | None) -> None:
+        """The turn's job: restore by `plan` from `source` (when not resident), then prefill."""
+        s = seq.session
+        assert s.cache is not None
+        saver = Saver(self.store, s.id, s.base) if seq.new_tokens else None
+        seq.job = PrefillJob(
+            self.model,
+            s.cache,
+            s.tokens[: seq.keep],
+            seq.new_tokens,
+            plan,
+            source,
+            saver,
+            self.cfg.piece_tokens,
+            self.cfg.fused,
+        )
+        if plan is not None:
+            s.cache.length = 0
+        seq.steps = seq.job.run()
+        seq.sampler = Sampler(seq.params)
+        seq.phase = Phase.RESTORING if plan is not None else Phase.PREFILL
+
+    def prefill(
+        self, jobs: list[Sequence], decoding: list[Sequence], ended: Callable[[Sequence, Exception | None], None]
+    ) -> bool:
+        """Restore+prefill work, a layer at a time; `ended` hears of each job that finished or
+        failed. While others decode, a time slice per step (their TBT grows by at most about
+        the slice plus one layer); otherwise until every job waits on storage."""
+        worked = False
+        deadline = time.perf_counter() + self.cfg.prefill_slice_ms / 1e3 if decoding else math.inf
+        for seq in list(jobs):
+            while time.perf_counter() < deadline:
+                try:
+                    did = next(seq.steps)
+                except StopIteration:
+                    ended(seq, None)
+                    worked = True
+                    break
+                except Exception as e:
+                    log.exception("prefill of %s failed", seq.session.id)
+                    ended(seq, e if isinstance(e, EngineError) else EngineError(f"prefill failed: {e}"))
+                    worked = True
+                    break
+                if not did:  # storage is behind: let the next job or a decode step run
+                    if not decoding and seq.job is not None:
+                        seq.job.wait_storage(0.005)  # nothing else to run: block on the read a moment
+                        worked = True
+                    break
+                worked = True
+                if seq.phase == Phase.RESTORING and seq.job is not None and seq.job.report.restore_ms:
+                    seq.phase = Phase.PREFILL
+            if time.perf_counter() >= deadline:
+                break
+        return worked
+
+    def first_token(self, seq: Sequence) -> int:
+        assert seq.job is not None and seq.job.last_hidden is not None and seq.sampler is not None
+        return seq.sampler(self.model.logits(seq.job.last_hidden)[0])
+
+    def decode(self, batch: list[Sequence]) -> list[int]:
+        """Feed each sequence's last sampled token; returns the next one of each."""
+        m = self.model
+        caches: list[PagedCache] = []
+        for q in batch:
+            assert q.session.cache is not None  # a decoding sequence's session is resident
+            caches.append(q.session.cache)
+        positions = [q.position for q in batch]
+        tokens = torch.tensor([q.generated[-1] for q in batch], device=m.device)
+        staged = self.store.acquire([(q.session.id, q.position - q.session.base, 1) for q in batch])
+        bc = BatchCache(caches, [1] * len(batch))
+        h = m(tokens, torch.tensor(positions, device=m.device), bc, hidden_out=staged.hidden)
+        finish_decode(self.store, staged, caches, positions)
+        logits = m.logits(h)
+        out = []
+        for i, q in enumerate(batch):
+            q.session.tokens.append(q.generated[-1])
+            assert q.sampler is not None
+            out.append(q.sampler(logits[i]))
+        return out
