@@ -3,6 +3,7 @@ and the single-sequence reference it must match."""
 
 from __future__ import annotations
 
+import socket
 from dataclasses import asdict
 from pathlib import Path
 
@@ -59,3 +60,9 @@ def turn(engine: Engine, sid: str, **kw: object) -> tuple[list[int], dict]:
         if ev.finished:
             stats = asdict(ev.stats) if ev.stats else {}
     return ids, stats
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -19,7 +19,7 @@ from hcache.config import Config, EngineConfig, ServerConfig, StorageConfig
 from hcache.server.app import start
 
 pytestmark = pytest.mark.slow
-ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 
 
 def get(url: str) -> tuple[int, str]:

@@ -15,8 +15,7 @@ import time
 import grpc
 import pytest
 from conftest import tload
-from engine_helpers import make_engine, profile_for, reference, turn, word_tokenizer
-from test_serve_cli import free_port
+from engine_helpers import free_port, make_engine, profile_for, reference, turn, word_tokenizer
 
 from hcache.client import Client, wait_for_server
 from hcache.engine.errors import ResourceExhausted

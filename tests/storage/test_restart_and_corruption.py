@@ -25,7 +25,7 @@ from hcache.storage.fsck import fsck
 from hcache.storage.layout import Kind
 from hcache.storage.store import ChunkStore
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]  # tests/: writer_proc.py and its helpers
 
 
 def test_kill_9_mid_flush_loses_no_durable_turn(tmp_path) -> None:

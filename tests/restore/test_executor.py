@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY, rel_err, tload
-from test_restore import chat_like
+from test_restore_paths import chat_like
 
 from hcache.engine.block_pool import BlockPool, PagedCache
 from hcache.engine.prefill import PrefillJob

@@ -5,24 +5,17 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import grpc
 import pytest
-from engine_helpers import profile_for
+from engine_helpers import free_port, profile_for
 
 from hcache.client import Client, wait_for_server
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
