@@ -149,15 +149,16 @@ class RestoreJob:
         if self.plan.n_recompute:  # read setup delays the prefix: the planner charges it there
             self._spent[Method.RECOMPUTE] += time.perf_counter() - self._t0
 
-    def ensure(self, layer: int) -> Iterator[None]:
+    def ensure(self, layer: int, block: bool = False) -> Iterator[None]:
         """Make layer `layer`'s KV present. Yields, without working, while its bytes are not
-        in: the caller blocks on `wait_storage` or does other work in between."""
+        in: the caller blocks on `wait_storage` or does other work in between. With `block`,
+        it never yields: the read blocks until the bytes are in."""
         if layer < self._recomputed or layer in self._placed:
             return
         if self.plan.methods[layer] == Method.RECOMPUTE:
             self._recompute_through(layer)
             return
-        while not self.source.ready(layer):
+        while not block and not self.source.ready(layer):
             t = time.perf_counter()
             self.waiting_on = layer
             yield
@@ -170,12 +171,12 @@ class RestoreJob:
         if self.waiting_on is not None:
             self.source.wait(self.waiting_on, timeout)
 
-    def run(self, poll_s: float = 0.05) -> RestoreReport:
+    def run(self) -> RestoreReport:
         """The whole restore, blocking on storage when it is behind."""
         self.start()
         for layer in range(self.model.cfg.num_layers):
-            for _ in self.ensure(layer):
-                self.wait_storage(poll_s)
+            for _ in self.ensure(layer, block=True):
+                pass
         return self.finish()
 
     def finish(self) -> RestoreReport:
@@ -211,13 +212,16 @@ class RestoreJob:
         try:
             if self.split is None:
                 method = self.plan.methods[layer]
+                data = (self.source.hidden(layer),) if method == Method.HIDDEN else self.source.kv(layer)
+                t1 = time.perf_counter()
+                self._wait += t1 - t  # a blocking read waits here
                 if method == Method.HIDDEN:
-                    self._project(layer, *self._feed(self.source.hidden(layer)), self.cache)
+                    self._project(layer, *self._feed(*data), self.cache)
                 else:
-                    self.cache.write(layer, *self._feed(*self.source.kv(layer)), start=0)
-                self._spent[method] += time.perf_counter() - t
+                    self.cache.write(layer, *self._feed(*data), start=0)
+                self._spent[method] += time.perf_counter() - t1
             else:
-                self._load_split(layer, t)
+                self._load_split(layer)
         except StateUnavailable:
             self.report.fallback_layers += layer + 1 - self._recomputed
             self._recompute_through(layer)
@@ -225,11 +229,14 @@ class RestoreJob:
         self.source.release(layer)
         self._placed.add(layer)
 
-    def _load_split(self, layer: int, t: float) -> None:
+    def _load_split(self, layer: int) -> None:
         n, split = len(self.tokens), self.split
         assert split is not None
+        t0 = time.perf_counter()
         h = self.source.hidden(layer, 0, split) if split else None
         kv = self.source.kv(layer, split, n) if split < n else None
+        t = time.perf_counter()
+        self._wait += t - t0
         if h is not None:
             self._project(layer, *self._feed(h), self.cache)
         t1 = time.perf_counter()

@@ -23,6 +23,7 @@ class StoreSource(StateSource):
         self.stored = store.layer_kinds(self.row)
         self.reader: OwnerReader | None = None
         self._ranges: dict[tuple[int, Kind], tuple[int, int]] = {}
+        self._kinds: dict[int, list[Kind]] = {}  # layer -> the kinds read for it
         cfg = store.model
         self._kv_shape = (cfg.num_kv_heads, cfg.head_dim)
 
@@ -33,6 +34,9 @@ class StoreSource(StateSource):
     def _start(self, wants: list[Want]) -> None:
         """Read `wants` from the chunks that hold them (a range may start inside a chunk)."""
         self._ranges = {(w.layer, w.kind): (w.lo, w.hi) for w in wants}
+        self._kinds = {}
+        for w in wants:
+            self._kinds.setdefault(w.layer, []).append(w.kind)
         whole = [Want(w.layer, w.kind, w.lo - w.lo % CHUNK_TOKENS, w.hi) for w in wants]
         self.reader = self.store.reader(self.owner, wants=whole)
 
@@ -80,12 +84,11 @@ class StoreSource(StateSource):
     def ready(self, layer: int) -> bool:
         if self.reader is None:
             return True
-        kinds = [k for (lay, k) in self._ranges if lay == layer]
-        return all(self.reader.ready(layer, k) for k in kinds)
+        return all(self.reader.ready(layer, k) for k in self._kinds.get(layer, ()))
 
     def wait(self, layer: int, timeout: float) -> bool:
         if self.reader is not None:
-            for k in [k for (lay, k) in self._ranges if lay == layer]:
+            for k in self._kinds.get(layer, ()):
                 self.reader.wait(layer, k, timeout)
         return self.ready(layer)
 
