@@ -4,6 +4,7 @@ reply of a session that was never evicted."""
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 
@@ -59,10 +60,16 @@ def max_rel_err(session: ChatSession) -> float:
 
 
 def run(
-    model: str = "default", dtype: str = "float32", max_new_tokens: int = 48, console: Console | None = None
+    model: str = "default",
+    dtype: str = "float32",
+    max_new_tokens: int = 48,
+    console: Console | None = None,
+    as_json: bool = False,
 ) -> int:
     # A pipe gets a fixed width wide enough for the table; a terminal keeps its own.
-    console = console or Console(width=None if sys.stdout.isatty() else 150)
+    # With --json, progress goes to stderr so that stdout holds only the JSON document.
+    out = sys.stderr if as_json else sys.stdout
+    console = console or Console(file=out, width=None if out.isatty() else 150)
     with console.status(f"loading {model} ({dtype})"):
         lm = load(model, dtype)
     if lm.tokenizer is None:
@@ -90,12 +97,36 @@ def run(
             rows.append(
                 Row(turn, name, str(plan), report.num_tokens, report.ms, report.bytes_read, err, ids == ref_ids)
             )
+    ok = all(r.identical for r in rows)
+    if as_json:
+        print(json.dumps(to_json(rows, replies), indent=2))
+        return 0 if ok else 1
     console.print(_table(rows))
     for message, text in replies:
         console.print(f"[bold]user:[/bold] {message}\n[bold]assistant:[/bold] {text}\n")
-    ok = all(r.identical for r in rows)
     console.print("[green]all restored replies identical[/green]" if ok else "[red]restored replies differ[/red]")
     return 0 if ok else 1
+
+
+def to_json(rows: list[Row], replies: list[tuple[str, str]]) -> dict:
+    """The table as `hcache demo --json` prints it: one object per row, then the reference replies."""
+    return {
+        "rows": [
+            {
+                "turn": r.turn,
+                "method": r.path,
+                "plan": r.plan,
+                "tokens": r.tokens,
+                "restore_ms": r.ms,
+                "bytes": r.bytes_read,
+                "kv_max_rel_err": r.kv_err,
+                "identical": r.identical,
+            }
+            for r in rows
+        ],
+        "replies": [{"user": m, "assistant": t} for m, t in replies],
+        "identical": all(r.identical for r in rows),
+    }
 
 
 def _table(rows: list[Row]) -> Table:

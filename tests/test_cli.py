@@ -74,3 +74,19 @@ def test_fsck_command(tmp_path, capsys) -> None:
     assert "1 owners" in out and out.strip().endswith("clean")
     assert main(["fsck", "--dirs", str(tmp_path / "missing")]) == 2
     assert "storage directory missing" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_demo_json(default_model, monkeypatch, capsys) -> None:
+    import json
+
+    from hcache import demo
+
+    monkeypatch.setattr(demo, "load", lambda *a, **k: default_model)
+    assert main(["demo", "--json", "--max-new-tokens", "4"]) == 0
+    doc = json.loads(capsys.readouterr().out)  # stdout holds only the JSON document
+    assert {r["method"] for r in doc["rows"]} == {"H", "KV", "RE", "mixed"}
+    for r in doc["rows"]:
+        assert {"turn", "method", "restore_ms", "bytes", "identical"} <= r.keys()
+        assert r["identical"] is True
+    assert len(doc["replies"]) == len(demo.TURNS) and all(x["assistant"] for x in doc["replies"])
