@@ -135,10 +135,9 @@ def _profile(cfg: Config, args: argparse.Namespace) -> int:
 
     from hcache.model.loader import load
     from hcache.restore import profiler
+    from hcache.storage.dirs import ensure_dirs
 
-    dirs = [Path(d) for d in (args.dirs or cfg.storage.dirs)]
-    for d in dirs:
-        d.mkdir(parents=True, exist_ok=True)
+    dirs = ensure_dirs(args.dirs or cfg.storage.dirs)
     model = load(cfg.model, cfg.dtype).model
     path = profiler.profile_path(Path(cfg.profile_dir), model)
     prof = profiler.load_or_run(model, dirs, Path(cfg.profile_dir), args.reprofile)

@@ -74,6 +74,24 @@ def test_fsck_command(tmp_path, capsys) -> None:
     assert "1 owners" in out and out.strip().endswith("clean")
     assert main(["fsck", "--dirs", str(tmp_path / "missing")]) == 2
     assert "storage directory missing" in capsys.readouterr().err
+    assert not (tmp_path / "missing").exists()  # fsck verifies; it never creates a store's directory
+
+
+def test_bench_storage_creates_missing_dirs(tmp_path, capsys) -> None:
+    d = tmp_path / "not" / "yet"
+    argv = ["bench", "storage", "--dirs", str(d), "--model", "default-geometry", "--dtype", "float32"]
+    argv += ["--tokens", "64", "--repeats", "1", "--json", "--out", str(tmp_path / "out.json")]
+    assert main(argv) == 0
+    assert d.is_dir()
+
+
+@pytest.mark.parametrize("command", [["bench", "storage", "--dirs"], ["profile", "--dirs"], ["fsck", "--dirs"]])
+def test_uncreatable_storage_dir(tmp_path, capsys, command: list[str]) -> None:
+    (tmp_path / "file").write_text("")
+    bad = tmp_path / "file" / "store"
+    assert main([*command, str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "Traceback" not in err
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ from hcache.engine.records import TurnStats
 from hcache.engine.sampler import SamplingParams
 from hcache.model.loader import load
 from hcache.restore import profiler
+from hcache.storage.dirs import ensure_dirs
 from hcache.storage.store import ChunkStore
 
 
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> dict:
     rng = random.Random(0)
     lm = load(args.model, args.dtype)
     model, tok = lm.model, lm.tokenizer
-    dirs = [Path(d) for d in args.dirs] if args.dirs else [Path(tempfile.mkdtemp(prefix="hcache-bench-"))]
+    dirs = ensure_dirs(args.dirs) if args.dirs else [Path(tempfile.mkdtemp(prefix="hcache-bench-"))]
     root = [Path(tempfile.mkdtemp(dir=d)) for d in dirs]
     prof = profiler.load_or_run(model, dirs, Path(args.profile_dir))
     store = ChunkStore(StorageConfig([str(d) for d in root]), model.cfg, model.dtype)

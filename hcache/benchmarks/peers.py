@@ -36,6 +36,7 @@ from hcache.engine.sequence import Sequence
 from hcache.model.loader import default_model_path, load
 from hcache.restore import profiler
 from hcache.restore.plan import Method
+from hcache.storage.dirs import ensure_dirs
 from hcache.storage.store import ChunkStore
 
 TURN = 32
@@ -196,7 +197,7 @@ def transformers_rows(doc: list[int], contexts: list[int], max_tokens: int) -> l
 
 def hcache_rows(args: argparse.Namespace, doc: list[int], turn: list[int]) -> tuple[list[dict], dict[str, float]]:
     lm = load("default", args.dtype)
-    dirs = [Path(d) for d in args.dirs] if args.dirs else [Path(tempfile.mkdtemp(prefix="hcache-peers-"))]
+    dirs = ensure_dirs(args.dirs) if args.dirs else [Path(tempfile.mkdtemp(prefix="hcache-peers-"))]
     roots = [Path(tempfile.mkdtemp(dir=d)) for d in dirs]
     prof = profiler.load_or_run(lm.model, dirs, Path(args.profile_dir))
     store = ChunkStore(StorageConfig([str(r) for r in roots]), lm.model.cfg, lm.model.dtype)
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     doc = [rng.randrange(100, 49000) for _ in range(max(args.contexts) + 64)]
     turn = [rng.randrange(100, 49000) for _ in range(TURN)]
-    scratch = Path(args.dirs[0]) if args.dirs else Path(tempfile.mkdtemp())
+    scratch = ensure_dirs(args.dirs)[0] if args.dirs else Path(tempfile.mkdtemp())
     data: dict[str, Any] = {"rows": [], "decode": {}, "machine": machine(), "args": vars(args)}
     if args.merge and Path(args.out).exists():  # keep the systems this run skips
         old = json.loads(Path(args.out).read_text())

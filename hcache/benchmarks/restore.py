@@ -34,6 +34,7 @@ from hcache.restore.partitioner import Geometry, layer_costs, lower_bound, parti
 from hcache.restore.plan import Method, Plan
 from hcache.restore.profile import Profile
 from hcache.restore.sources import StoreSource
+from hcache.storage.dirs import ensure_dirs
 from hcache.storage.layout import Kind
 from hcache.storage.store import ChunkStore
 
@@ -348,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default="bench/results/restore.json")
     a = ap.parse_args(argv)
-    base = Path(tempfile.mkdtemp(prefix="hcache-restore-", dir=a.base))
+    base = Path(tempfile.mkdtemp(prefix="hcache-restore-", dir=ensure_dirs([a.base])[0] if a.base else None))
     t0 = time.time()
     profiles: dict = {}
     try:

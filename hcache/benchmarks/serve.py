@@ -31,6 +31,7 @@ import grpc
 
 from hcache.benchmarks import report
 from hcache.client import Client, wait_for_server
+from hcache.storage.dirs import ensure_dirs
 
 WORDS = (  # noqa: SIM905 - a word list reads better as text
     "the river city bridge stone light market winter garden letter music harbor story mountain "
@@ -214,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     trace = make_trace(args)
     rows = []
     for method in args.methods:
-        root = Path(tempfile.mkdtemp(prefix=f"hcache-serve-{method}-", dir=args.root))
+        root = Path(
+            tempfile.mkdtemp(prefix=f"hcache-serve-{method}-", dir=ensure_dirs([args.root])[0] if args.root else None)
+        )
         proc, target = start_server(args, method, root)
         try:
             print(f"{method}: {len(trace)} sessions, {sum(len(p.turns) for p in trace)} turns ...", flush=True)

@@ -16,6 +16,7 @@ import grpc
 
 from hcache.benchmarks import report
 from hcache.client import Client
+from hcache.storage.dirs import ensure_dirs
 
 TOPICS = ["owls", "rivers", "bread", "chess", "volcanoes", "jazz", "tides", "bees", "glass", "maps", "tea", "kites"]
 
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import tempfile
 
-    root = Path(tempfile.mkdtemp(prefix="hcache-soak-", dir=args.root))
+    root = Path(tempfile.mkdtemp(prefix="hcache-soak-", dir=ensure_dirs([args.root])[0] if args.root else None))
     proc, target = start_server(args, "auto", root)
     rounds = []
     try:

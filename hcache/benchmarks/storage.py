@@ -17,6 +17,7 @@ import torch
 
 from hcache.benchmarks import report
 from hcache.config import ModelConfig, StorageConfig
+from hcache.storage.dirs import ensure_dirs
 from hcache.storage.layout import Kind
 from hcache.storage.slab import aligned_buffer
 from hcache.storage.store import ChunkStore
@@ -133,8 +134,9 @@ def read_owner(store: ChunkStore) -> tuple[float, int]:
 
 def run(cfg: ModelConfig, dtype: torch.dtype, dirs: list[str] | None, tokens: int = 8192, repeats: int = 5) -> dict:
     """Raw and restore-shaped reads alternate in every repeat, so device noise hits both alike."""
-    base = Path(tempfile.mkdtemp(prefix="hcache-bench-", dir=dirs[0] if dirs else None))
-    roots = [Path(d) for d in dirs] if dirs else [base]
+    given = ensure_dirs(dirs or [])  # like `hcache serve`: directories not there yet are created
+    base = Path(tempfile.mkdtemp(prefix="hcache-bench-", dir=given[0] if given else None))
+    roots = given or [base]
     try:
         layouts = {n: [roots[i % len(roots)] / f"hcache-bench-{n}-{i}" for i in range(n)] for n in (1, 2, 4)}
         writes = {n: write_owner(dd, cfg, dtype, tokens) for n, dd in layouts.items()}

@@ -28,6 +28,7 @@ from hcache.server.http import SidePort
 from hcache.server.interceptors import CountingInterceptor, ParsingInterceptor
 from hcache.server.metrics import Metrics
 from hcache.server.servicer import Servicer
+from hcache.storage.dirs import ensure_dirs
 from hcache.storage.store import ChunkStore
 from hcache.v1 import hcache_pb2 as pb
 from hcache.v1 import hcache_pb2_grpc as pb_grpc
@@ -76,9 +77,7 @@ def build_engine(
     loaded = loaded or load(cfg.model, cfg.dtype, cfg.device)
     if loaded.tokenizer is None:
         raise ValueError(f"{loaded.source} has no tokenizer; hcache serve needs one")
-    dirs = [Path(d) for d in cfg.storage.dirs]
-    for d in dirs:
-        d.mkdir(parents=True, exist_ok=True)
+    dirs = ensure_dirs(cfg.storage.dirs)
     warm_up(loaded.model)
     if profile is None:
         profile = profiler.load_or_run(loaded.model, dirs, Path(cfg.profile_dir))

@@ -10,6 +10,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hcache.storage.dirs import ensure_dirs
 from hcache.storage.errors import StoreLocked
 from hcache.storage.layout import CHUNK_TOKENS, checksum, decode_layer_kinds, num_chunks, parse_slab
 from hcache.storage.manifest import ChunkRow, Manifest
@@ -51,10 +52,8 @@ class FsckReport:
 
 
 def fsck(dirs: list[str], repair: bool = False) -> FsckReport:
-    paths = [Path(d).resolve() for d in dirs]
-    for p in paths:
-        if not p.is_dir():
-            raise FileNotFoundError(f"storage directory missing: {p}")
+    # fsck verifies an existing store, so a missing directory is an error, never created
+    paths = [p.resolve() for p in ensure_dirs(dirs, create=False)]
     if not (paths[0] / MANIFEST).exists():
         raise FileNotFoundError(f"no manifest in {paths[0]}: not an hcache store")
     lock = os.open(paths[0] / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
