@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return _serve(cfg)
         if args.command == "chat":
-            from hcache.server import chat
+            from hcache import chat
 
             root = Path(args.tls_ca).read_bytes() if args.tls_ca else None
             return chat.run(args.target, args.session, args.system, args.max_new_tokens, args.api_key, root)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 
@@ -108,3 +109,19 @@ def test_demo_json(default_model, monkeypatch, capsys) -> None:
         assert {"turn", "method", "restore_ms", "bytes", "identical"} <= r.keys()
         assert r["identical"] is True
     assert len(doc["replies"]) == len(demo.TURNS) and all(x["assistant"] for x in doc["replies"])
+
+
+def test_chat_stats_table() -> None:
+    from rich.console import Console
+
+    from hcache.chat import stats_table
+    from hcache.v1 import hcache_pb2 as pb
+
+    s = pb.Stats(sessions=3, resident_bytes=123456, model="tiny", queue_depth={"prefill": 2}, draining=True)
+    s.dirs.add(path="/d0", used_bytes=10, chunks=4)
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(stats_table(s))
+    text = console.export_text()
+    for want in ("sessions", "3", "resident_bytes", "123,456", "queue_depth", "prefill 2", "draining", "yes"):
+        assert want in text
+    assert "/d0" in text and "tiny" in text and "{" not in text

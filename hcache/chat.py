@@ -7,8 +7,11 @@ import sys
 from typing import TextIO
 
 import grpc
+from rich.console import Console
+from rich.table import Table
 
 from hcache.client import METHODS, Client
+from hcache.v1 import hcache_pb2 as pb
 
 HELP = "commands: /restore [auto|hidden|kv|recompute]  /evict  /session  /stats  /help  /quit"
 
@@ -68,7 +71,7 @@ def _command(c: Client, sid: str, line: str, max_new_tokens: int, out: TextIO) -
     elif word == "/session":
         print(c.get(sid), file=out)
     elif word == "/stats":
-        print(c.stats(), file=out)
+        Console(file=out, width=120).print(stats_table(c.stats()))
     elif word.startswith("/"):
         print(f"unknown command {word}; {HELP}", file=out)
     else:
@@ -83,3 +86,28 @@ def _command(c: Client, sid: str, line: str, max_new_tokens: int, out: TextIO) -
             how = f"restored in {st.restore_ms:.0f} ms, " if st.restore_ms else ""
             print(f"\n  [{how}ttft {st.ttft_ms:.0f} ms, {st.completion_tokens} tokens]", file=out, flush=True)
     return True
+
+
+def stats_table(stats: pb.Stats) -> Table:
+    """The server's figures, one row per field (zeros included, so the table's shape never changes)."""
+    t = Table(title=f"server stats ({stats.model})" if stats.model else "server stats")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    for f in stats.DESCRIPTOR.fields:
+        value = getattr(stats, f.name)
+        if f.name == "dirs":
+            for i, d in enumerate(value):
+                t.add_row(
+                    f"dirs[{i}]",
+                    f"{d.path}: used {d.used_bytes:,}, free {d.free_bytes:,}, "
+                    f"written {d.bytes_written:,} bytes, {d.chunks:,} chunks",
+                )
+        elif f.name == "queue_depth":
+            t.add_row(f.name, ", ".join(f"{k} {v}" for k, v in sorted(value.items())) or "-")
+        elif isinstance(value, bool):
+            t.add_row(f.name, "yes" if value else "no")
+        elif isinstance(value, int):
+            t.add_row(f.name, f"{value:,}")
+        else:
+            t.add_row(f.name, str(value))
+    return t
