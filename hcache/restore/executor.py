@@ -259,11 +259,12 @@ def restore(
     source: StateSource,
     cache: KVCache | None = None,
     predicted_ms: float | None = None,
+    split: int | None = None,
 ) -> tuple[KVCache, RestoreReport]:
-    """Run `plan` against `source` into `cache` (a new one by default)."""
+    """Run `plan` (or, with `split`, a token-wise restore) against `source` into `cache`."""
     cache = _empty_cache(model, cache, len(source.tokens))
     with torch.inference_mode():
-        report = RestoreJob(model, plan, source, cache, predicted_ms=predicted_ms).run()
+        report = RestoreJob(model, plan, source, cache, split=split, predicted_ms=predicted_ms).run()
     return cache, report
 
 
@@ -275,11 +276,8 @@ def restore_tokenwise(
     predicted_ms: float | None = None,
 ) -> tuple[KVCache, RestoreReport]:
     """Token-wise: tokens before `split` from H, the rest from KV, in every layer."""
-    cache = _empty_cache(model, cache, len(source.tokens))
     plan = Plan.uniform(model.cfg.num_layers, Method.HIDDEN)
-    with torch.inference_mode():
-        report = RestoreJob(model, plan, source, cache, split=split, predicted_ms=predicted_ms).run()
-    return cache, report
+    return restore(model, plan, source, cache, predicted_ms, split=split)
 
 
 def recompute_prefix(model: DecoderModel, tokens: list[int], cache: KVRows, num_layers: int) -> None:
