@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from hcache import omp
 from hcache.benchmarks import report
 from hcache.config import EngineConfig, StorageConfig
 from hcache.engine.engine import Engine
@@ -196,10 +197,11 @@ def transformers_rows(doc: list[int], contexts: list[int], max_tokens: int) -> l
 
 
 def hcache_rows(args: argparse.Namespace, doc: list[int], turn: list[int]) -> tuple[list[dict], dict[str, float]]:
-    lm = load("default", args.dtype)
+    omp.isolate_main()  # the engine's loop computes (see hcache/omp.py)
+    lm = omp.on_worker(lambda: load("default", args.dtype))
     dirs = ensure_dirs(args.dirs) if args.dirs else [Path(tempfile.mkdtemp(prefix="hcache-peers-"))]
     roots = [Path(tempfile.mkdtemp(dir=d)) for d in dirs]
-    prof = profiler.load_or_run(lm.model, dirs, Path(args.profile_dir))
+    prof = omp.on_worker(lambda: profiler.load_or_run(lm.model, dirs, Path(args.profile_dir)))
     store = ChunkStore(StorageConfig([str(r) for r in roots]), lm.model.cfg, lm.model.dtype)
     engine = Engine(lm.model, lm.tokenizer, store, prof, EngineConfig(kv_budget_bytes=4 << 30, store_kinds="both"))
     rows: list[dict] = []
@@ -303,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         data["decode"]["llama.cpp"] = dec
         save()
     if "transformers" not in args.skip:
-        data["rows"] += transformers_rows(doc, args.contexts, args.transformers_max)
+        data["rows"] += omp.on_worker(lambda: transformers_rows(doc, args.contexts, args.transformers_max))
 
     def table() -> None:
         for r in data["rows"]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 
 import torch
+import torch.nn.functional as F
 
 from hcache.config import ModelConfig
 from hcache.model.attention import causal_attention
@@ -176,10 +177,13 @@ class PagedCache:
 
 class BatchCache:
     """Several sequences in one forward: rows are the sequences' new tokens, in order.
-    Projections and MLPs run once over all rows; attention runs per sequence."""
+    Projections and MLPs run once over all rows. A decode step (one token each) attends in
+    one call per layer over the sequences' rows gathered into a padded batch; a forward
+    with several tokens per sequence attends per sequence."""
 
     def __init__(self, caches: list[PagedCache], counts: list[int]):
         self.caches, self.counts = caches, counts
+        self._step: _DecodeStep | None = None
 
     def begin(self, n: int, start: int | None = None) -> None:
         if start is not None:
@@ -188,16 +192,57 @@ class BatchCache:
             raise ValueError(f"{n} rows for {sum(self.counts)} tokens")
         for c, t in zip(self.caches, self.counts, strict=True):
             c.begin(t)
+        one_pool = all(c.pool is self.caches[0].pool for c in self.caches)
+        self._step = _DecodeStep(self.caches) if len(self.caches) > 1 and set(self.counts) == {1} and one_pool else None
 
     def commit(self) -> None:
         for c in self.caches:
             c.commit()
+        self._step = None
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
     ) -> torch.Tensor:
+        if self._step is not None:
+            return self._step.attend(layer, q, k, v, scale)
         out, row = [], 0
         for c, t in zip(self.caches, self.counts, strict=True):
             out.append(c.attend(layer, q[row : row + t], k[row : row + t], v[row : row + t], scale))
             row += t
         return torch.cat(out) if len(out) > 1 else out[0]
+
+
+class _DecodeStep:
+    """One new token per sequence: where each goes in the pool, and every sequence's rows
+    gathered (padded to the longest, padding masked) for one attention call per layer."""
+
+    def __init__(self, caches: list[PagedCache]):
+        self.pool = caches[0].pool
+        dev = self.pool.device
+        lengths = [c.length + 1 for c in caches]
+        self.width = max(lengths)
+        self.write_rows = torch.cat([c.rows(c.length, 1) for c in caches])
+        gathered = []
+        for c, n in zip(caches, lengths, strict=True):
+            rows = c.rows(0, n)
+            if n < self.width:
+                rows = torch.cat([rows, rows[-1:].expand(self.width - n)])
+            gathered.append(rows)
+        self.gather = torch.cat(gathered)
+        self.mask: torch.Tensor | None = None
+        if min(lengths) < self.width:
+            span = torch.arange(self.width, device=dev)
+            self.mask = (span[None, :] < torch.tensor(lengths, device=dev)[:, None])[:, None, None, :]
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+    ) -> torch.Tensor:
+        pk, pv = self.pool.k[layer], self.pool.v[layer]
+        pk.index_copy_(0, self.write_rows, k.to(pk.dtype))
+        pv.index_copy_(0, self.write_rows, v.to(pv.dtype))
+        b, kvh, d = q.shape[0], k.shape[1], k.shape[2]
+        keys = pk.index_select(0, self.gather).view(b, self.width, kvh, d).transpose(1, 2)
+        values = pv.index_select(0, self.gather).view(b, self.width, kvh, d).transpose(1, 2)
+        # a KV head's query heads as that head's query rows: K/V are not repeated per head
+        out = F.scaled_dot_product_attention(q.view(b, kvh, -1, d), keys, values, attn_mask=self.mask, scale=scale)
+        return out.reshape(b, -1)

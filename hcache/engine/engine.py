@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import torch
 
+from hcache import omp
 from hcache.config import EngineConfig
 from hcache.engine import checks
 from hcache.engine.block_pool import BlockPool
@@ -285,6 +286,7 @@ class Engine:
     def _loop(self) -> None:
         if self.model.device.type == "cpu":
             torch.set_grad_enabled(False)
+            omp.use_compute_threads()
         with torch.inference_mode():
             while not self._stop:
                 try:

@@ -83,8 +83,11 @@ class KVCache:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """The last `T` of `S` positions attend causally: query i sees keys 0..S-T+i."""
+    """The last `T` of `S` positions attend causally: query i sees keys 0..S-T+i.
+    q `[T, H, D]`, k/v `[S, KvH, D]` (views of a cache's rows: never copied); returns `[T, H*D]`."""
     t, s = q.shape[0], k.shape[0]
+    if q.device.type == "cpu":
+        return _causal_cpu(q, k, v, s - t, scale)
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     gqa = qh.shape[1] != kh.shape[1]
     if t == 1:
@@ -95,3 +98,43 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.squeeze(0).transpose(0, 1).reshape(t, -1)
+
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """q `[T, H, D]` as `[1, KvH, G*T, D]`: a KV head's G query heads become G*T query rows,
+    so one unmasked attention serves the group and K/V are read as they lie."""
+    t, h, d = q.shape
+    return q.view(t, kv_heads, h // kv_heads, d).permute(1, 2, 0, 3).reshape(1, kv_heads, -1, d)
+
+
+def _ungrouped(out: torch.Tensor, t: int) -> torch.Tensor:
+    """`[1, KvH, G*T, D]` back to `[T, H*D]`."""
+    kvh, _, d = out.shape[1:]
+    return out.view(kvh, -1, t, d).permute(2, 0, 1, 3).reshape(t, -1)
+
+
+def _causal_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float | None) -> torch.Tensor:
+    """Flash attention without a T x S mask: the new block attends to the prefix unmasked
+    (query heads grouped over their KV head) and to itself causally; the two partial
+    results are merged by their log-sum-exp."""
+    t, kvh = q.shape[0], k.shape[1]
+    kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    if prefix == 0 and t > 1:
+        out, _ = _flash(q.transpose(0, 1).unsqueeze(0), kh, vh, is_causal=True, scale=scale)
+        return out.squeeze(0).transpose(0, 1).reshape(t, -1)
+    if t == 1:
+        out, _ = _flash(_grouped(q, kvh), kh, vh, scale=scale)
+        return _ungrouped(out, t)
+    pre, lse_pre = _flash(_grouped(q, kvh), kh[:, :, :prefix], vh[:, :, :prefix], scale=scale)
+    qh = q.transpose(0, 1).unsqueeze(0)
+    blk, lse_blk = _flash(qh, kh[:, :, prefix:], vh[:, :, prefix:], is_causal=True, scale=scale)
+    # lse_pre is per grouped row [1, KvH, G*T]; lse_blk per head [1, H, T]: both to [T, H]
+    lse_pre = lse_pre.view(kvh, -1, t).permute(2, 0, 1).reshape(t, -1)
+    lse_blk = lse_blk.squeeze(0).transpose(0, 1)
+    w_pre = torch.sigmoid(lse_pre - lse_blk).unsqueeze(-1)  # exp(a) / (exp(a) + exp(b))
+    pre = _ungrouped(pre, t).view(t, -1, q.shape[2])
+    blk = blk.squeeze(0).transpose(0, 1)
+    return torch.lerp(blk.float(), pre.float(), w_pre).to(q.dtype).reshape(t, -1)

@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from hcache import omp
 from hcache.config import Config
 from hcache.engine.engine import Engine
 from hcache.engine.telemetry import Telemetry
@@ -93,7 +94,7 @@ def build_engine(
 
 def start(cfg: Config, profile: Profile | None = None, loaded: LoadedModel | None = None) -> Running:
     metrics = Metrics()
-    engine, store = build_engine(cfg, profile, loaded, metrics)
+    engine, store = omp.on_worker(lambda: build_engine(cfg, profile, loaded, metrics))
     metrics.attach(engine)
     s = cfg.server
     opts = [
@@ -147,6 +148,7 @@ def wait_until_set(done: threading.Event, poll_s: float = 0.2) -> None:
 
 
 def serve(cfg: Config, profile: Profile | None = None) -> int:
+    omp.isolate_main()  # the engine's loop computes; this thread waits for signals
     run = start(cfg, profile)
     done = threading.Event()
 

@@ -8,8 +8,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
+from hcache import omp
 from hcache.storage.readplan import Request
 from hcache.storage.throttle import wait_until
 
@@ -17,8 +16,8 @@ from hcache.storage.throttle import wait_until
 def one_core_copies() -> None:
     """Storage threads copy with torch, whose larger copies would each start an OpenMP team
     of every core: dozens of such threads oversubscribe the cores and starve the restore's
-    compute thread. The setting is per thread: the compute thread keeps its own."""
-    torch.set_num_threads(1)
+    compute thread (hcache/omp.py). The setting is per thread."""
+    omp.serial()
 
 
 class ReadPool:

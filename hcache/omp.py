@@ -1,0 +1,65 @@
+"""Which threads run torch's parallel regions.
+
+libgomp keeps a team of worker threads per thread that starts a parallel region, and the
+main thread's team lives as long as the process. Once its teams hold more threads than
+there are CPUs, every worker spins only briefly before it sleeps on a futex, and waking a
+sleeping worker costs tens of microseconds on a VM: small ops, a decode step's, then run
+far slower. So one thread computes at a time with the full thread count (the engine's
+loop, or a short-lived worker whose team ends with it), and the main thread stays serial
+once `isolate_main` ran."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+_threads = 0  # the compute thread count; 0 until set
+
+
+def compute_threads() -> int:
+    return _threads or torch.get_num_threads()
+
+
+def isolate_main(threads: int | None = None) -> int:
+    """Record the compute thread count (default: torch's current one) and make the calling
+    (main) thread's own parallel regions serial, so that it never holds a team."""
+    global _threads
+    _threads = threads or _threads or torch.get_num_threads() or os.cpu_count() or 1
+    torch.set_num_threads(1)
+    return _threads
+
+
+def serial() -> None:
+    """In a thread that only moves bytes (storage, RPC): its copies run on its own core."""
+    torch.set_num_threads(1)
+
+
+def use_compute_threads() -> None:
+    """In a thread that computes (the engine's loop, a worker): the full thread count."""
+    torch.set_num_threads(compute_threads())
+
+
+def on_worker(fn: Callable[[], T], name: str = "hcache-compute") -> T:
+    """`fn()` on a fresh thread with the full thread count; its team ends with the thread."""
+    out: list[T] = []
+    err: list[BaseException] = []
+
+    def run() -> None:
+        use_compute_threads()
+        try:
+            out.append(fn())
+        except BaseException as e:  # re-raised in the caller
+            err.append(e)
+
+    t = threading.Thread(target=run, name=name, daemon=True)
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
+    return out[0]

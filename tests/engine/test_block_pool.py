@@ -1,0 +1,55 @@
+"""The paged pool: a decode step of several sequences attends in one call per layer over
+their gathered rows, and equals attending per sequence."""
+
+import torch
+
+from hcache.engine.block_pool import BLOCK_TOKENS, BatchCache, BlockPool, PagedCache
+from hcache.model.loader import DEFAULT_GEOMETRY
+
+
+def _filled(pool: BlockPool, n: int, seed: int) -> PagedCache:
+    c = PagedCache(pool)
+    c.begin(n)
+    g = torch.Generator().manual_seed(seed)
+    for layer in range(pool.cfg.num_layers):
+        shape = (n, pool.cfg.num_kv_heads, pool.cfg.head_dim)
+        c.write(layer, torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    c.commit()
+    return c
+
+
+def test_batched_decode_equals_per_sequence():
+    cfg = DEFAULT_GEOMETRY
+    pool = BlockPool(cfg, torch.float32, "cpu", 16)
+    a = _filled(pool, 70, 1)
+    b = _filled(pool, 5, 2)
+    gap = pool.allocate(1)
+    b.begin(BLOCK_TOKENS)
+    b.commit()  # b grows past its block: its second block is not next to its first
+    pool.release(gap)
+    c = _filled(pool, 130, 3)
+    caches = [a, b, c]
+    assert not all(x.contiguous for x in caches)
+    lengths = [x.length for x in caches]
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(3, cfg.num_heads, cfg.head_dim, generator=g)
+    k = torch.randn(3, cfg.num_kv_heads, cfg.head_dim, generator=g)
+    v = torch.randn(3, cfg.num_kv_heads, cfg.head_dim, generator=g)
+
+    batch = BatchCache(caches, [1, 1, 1])
+    batch.begin(3)
+    got = batch.attend(4, q, k, v)
+    batch.commit()
+    assert [x.length for x in caches] == [n + 1 for n in lengths]
+    for i, x in enumerate(caches):  # the new rows landed where each sequence keeps them
+        keys, values = x.layer_kv(4)
+        assert torch.equal(keys[-1], k[i]) and torch.equal(values[-1], v[i])
+
+    for x, n in zip(caches, lengths, strict=True):
+        x.truncate(n)
+    want = []
+    for i, x in enumerate(caches):
+        x.begin(1)
+        want.append(x.attend(4, q[i : i + 1], k[i : i + 1], v[i : i + 1]))
+        x.commit()
+    torch.testing.assert_close(got, torch.cat(want), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,43 @@
+"""Attention over cached rows: the CPU path (prefix and causal block merged by their
+log-sum-exp, query heads grouped over their KV head) against a float64 reference."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hcache.model.attention import causal_attention
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    t, s = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0).double() for x in (q, k, v))
+    kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+    mask = torch.ones(t, s, dtype=torch.bool).tril(diagonal=s - t)
+    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask).squeeze(0).transpose(0, 1).reshape(t, -1)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("t,s", [(1, 1), (1, 70), (9, 9), (9, 200), (64, 700)])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
+def test_matches_reference(dtype, tol, t, s, heads, kv_heads):
+    g = torch.Generator().manual_seed(t * 1000 + s)
+    q = torch.randn(t, heads, 16, generator=g).to(dtype)
+    # the cache's rows are views into a larger pool: strided, never copied
+    pool_k = torch.randn(s + 5, kv_heads, 16, generator=g).to(dtype)
+    pool_v = torch.randn(s + 5, kv_heads, 16, generator=g).to(dtype)
+    k, v = pool_k[3 : 3 + s], pool_v[3 : 3 + s]
+    out = causal_attention(q, k, v)
+    assert out.shape == (t, heads * 16) and out.dtype == dtype
+    assert (out.double() - reference(q, k, v)).abs().max().item() < tol
+
+
+def test_a_query_never_sees_a_later_key():
+    q = torch.randn(4, 2, 8)
+    k, v = torch.randn(10, 2, 8), torch.randn(10, 2, 8)
+    before = causal_attention(q, k, v)
+    k2, v2 = k.clone(), v.clone()
+    k2[-1], v2[-1] = 100.0, 100.0  # only the last query may see the last key
+    after = causal_attention(q, k2, v2)
+    assert torch.equal(before[:3], after[:3])
+    assert not torch.equal(before[3], after[3])
