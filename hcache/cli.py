@@ -138,7 +138,7 @@ def _profile(cfg: Config, args: argparse.Namespace) -> int:
     from hcache.storage.dirs import ensure_dirs
 
     dirs = ensure_dirs(args.dirs or cfg.storage.dirs)
-    model = load(cfg.model, cfg.dtype).model
+    model = load(cfg.model, cfg.dtype, weights=cfg.weights).model
     path = profiler.profile_path(Path(cfg.profile_dir), model)
     prof = profiler.load_or_run(model, dirs, Path(cfg.profile_dir), args.reprofile)
     print(f"profile {path}{' (cached; --reprofile to measure again)' if not args.reprofile else ''}")

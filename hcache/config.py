@@ -252,6 +252,11 @@ class Config:
 
     model: str = setting("default", "'default' (SmolLM2-135M-Instruct GGUF), a .gguf file or an HF folder")
     dtype: str = setting("float32", "weights and activations", choices=("float32", "bfloat16"))
+    weights: str = setting(
+        "float",
+        "float: dequantized (the oracle); int4: packed int4 linears and int8 head on CPUs (needs --dtype bfloat16)",
+        choices=("float", "int4"),
+    )
     device: str = setting("cpu", "torch device the model runs on")
     profile: str = setting("", "a profile JSON (empty: measure this machine once, then reuse it)")
     profile_dir: str = setting(

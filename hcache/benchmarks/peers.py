@@ -198,7 +198,7 @@ def transformers_rows(doc: list[int], contexts: list[int], max_tokens: int) -> l
 
 def hcache_rows(args: argparse.Namespace, doc: list[int], turn: list[int]) -> tuple[list[dict], dict[str, float]]:
     omp.isolate_main()  # the engine's loop computes (see hcache/omp.py)
-    lm = omp.on_worker(lambda: load("default", args.dtype))
+    lm = omp.on_worker(lambda: load("default", args.dtype, weights=args.weights))
     dirs = ensure_dirs(args.dirs) if args.dirs else [Path(tempfile.mkdtemp(prefix="hcache-peers-"))]
     roots = [Path(tempfile.mkdtemp(dir=d)) for d in dirs]
     prof = omp.on_worker(lambda: profiler.load_or_run(lm.model, dirs, Path(args.profile_dir)))
@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hcache bench peers", description=__doc__)
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8000])
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--weights", default="float", choices=["float", "int4"], help="hcache's weight mode")
     ap.add_argument("--dirs", nargs="+", help="storage directories (default: a temp dir)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])

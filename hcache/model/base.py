@@ -34,7 +34,7 @@ class DecoderLayer(nn.Module, ABC):
 class DecoderModel(nn.Module, ABC):
     cfg: ModelConfig
     layers: nn.ModuleList
-    lm_head: nn.Linear
+    lm_head: nn.Module
 
     @abstractmethod
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
@@ -49,11 +49,24 @@ class DecoderModel(nn.Module, ABC):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The activations' and the KV cache's dtype: the first float parameter's (weights
+        may be quantized)."""
+        return self._float_param().dtype
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self._float_param().device
+
+    def _float_param(self) -> torch.Tensor:
+        ref = self.__dict__.get("_ref")
+        if ref is None:
+            ref = next(p for p in self.parameters() if p.is_floating_point())
+            self.__dict__["_ref"] = ref
+        return ref
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # .to() makes new tensors
+        self.__dict__.pop("_ref", None)
+        return super()._apply(fn, recurse)
 
     @torch.inference_mode()
     def forward(

@@ -62,13 +62,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch
     return rope(x, cos, sin, out)
 
 
-def linear_into(x: torch.Tensor, lin: nn.Linear, out: torch.Tensor | None = None) -> torch.Tensor:
+def linear_into(x: torch.Tensor, lin: nn.Module, out: torch.Tensor | None = None) -> torch.Tensor:
     """`lin(x)` for `x` `[T, in]`, written to `out` (any contiguous tensor of `T * out_features`
     elements, say a KV cache's rows) when given: the same kernel as `lin(x)` (mm, or addmm
     with a bias), so a restore's K/V equal the forward's."""
     if out is None:
         return lin(x)
     dst = out.view(x.shape[0], -1)
+    if not isinstance(lin, nn.Linear):  # a packed low-bit kernel has no out=
+        return dst.copy_(lin(x))
     if lin.bias is None:
         return torch.mm(x, lin.weight.t(), out=dst)
     return torch.addmm(lin.bias, x, lin.weight.t(), out=dst)

@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from hcache.config import ARCH_LLAMA, ARCH_OPT, ModelConfig
 from hcache.model.base import DecoderModel
 from hcache.model.llama import Llama
 from hcache.model.opt import OPT
+from hcache.model.quant import WEIGHT_MODES, Int4Linear, Int8Embedding, Int8Rows, int4_from_float, q4_1_groups
 from hcache.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -58,14 +60,21 @@ def resolve_model_path(name: str) -> Path:
     return path
 
 
-def load(name: str = "default", dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+def load(name: str = "default", dtype: str = "float32", device: str = "cpu", weights: str = "float") -> LoadedModel:
+    """weights: `float` dequantizes every tensor (the oracle); `int4` keeps linear layers as
+    group-wise int4 (GGUF Q4_1 blocks as they are, other weights quantized on load) and the
+    embedding and LM head as per-row int8, on torch's packed CPU kernels (bfloat16 only)."""
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"unsupported weights {weights!r}; choose one of {', '.join(WEIGHT_MODES)}")
+    if weights != "float" and (dtype != "bfloat16" or torch.device(device).type != "cpu"):
+        raise ValueError(f"--weights {weights} runs on CPUs in bfloat16 (got {dtype} on {device})")
     path = resolve_model_path(name)
     if path.is_dir():
-        model, tok = _load_hf(path)
+        model, tok = _load_hf(path, weights)
     elif path.suffix == ".gguf":
-        model, tok = _load_gguf(path)
+        model, tok = _load_gguf(path, weights)
     else:
         raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face folder")
     return LoadedModel(model.to(device=device, dtype=DTYPES[dtype]).eval(), tok, path)
@@ -85,23 +94,55 @@ def read_config(name: str = "default") -> ModelConfig:
 
 
 def build_model(
-    cfg: ModelConfig, state: dict[str, torch.Tensor], freq_factors: torch.Tensor | None = None
+    cfg: ModelConfig,
+    state: dict[str, torch.Tensor],
+    freq_factors: torch.Tensor | None = None,
+    modules: dict[str, nn.Module] | None = None,
 ) -> DecoderModel:
-    """Instantiate without allocating, then adopt the given tensors; every parameter must be present."""
+    """Instantiate without allocating, then adopt the given tensors; every parameter must be
+    present, in `state` or in one of `modules` (quantized layers, by their path)."""
+    modules = modules or {}
     with torch.device("meta"):
         model: DecoderModel = Llama(cfg, freq_factors) if cfg.arch == ARCH_LLAMA else OPT(cfg)
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
-    expected = {k for k in model.state_dict() if not (cfg.tie_embeddings and k == "lm_head.weight")}
+    for path, module in modules.items():
+        parent, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, module)
+    replaced = tuple(f"{p}." for p in modules)
+    expected = {
+        k
+        for k in model.state_dict()
+        if not (cfg.tie_embeddings and k.startswith("lm_head.")) and not k.startswith(replaced)
+    }
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:
         raise ValueError(
             f"checkpoint does not match the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
     model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_embeddings:  # assign=True replaced the shared Parameter
+    if cfg.tie_embeddings and "lm_head" not in modules:  # assign=True replaced the shared Parameter
         model.lm_head.weight = model.embed_tokens.weight
     return model
+
+
+def quantize(cfg: ModelConfig, state: dict[str, torch.Tensor], modules: dict[str, nn.Module]) -> None:
+    """Move the float linear weights left in `state` into int4 modules, and the embedding and
+    LM head into int8 rows (`state` and `modules` are updated in place)."""
+    for key in [k for k in state if _LINEAR.search(k)]:
+        path = key.rsplit(".", 1)[0]
+        if path in modules:
+            continue
+        bias = state.pop(f"{path}.bias", None)
+        modules[path] = int4_from_float(state.pop(f"{path}.weight"), bias)
+    embed = state.pop("embed_tokens.weight")
+    rows = Int8Rows.from_float(embed)
+    modules["embed_tokens"] = Int8Embedding(rows)
+    head = state.pop("lm_head.weight", None)
+    modules["lm_head"] = rows if cfg.tie_embeddings or head is None else Int8Rows.from_float(head)
+
+
+_LINEAR = re.compile(r"^layers\.\d+\.(wq|wk|wv|wo|w_gate|w_up|w_down|fc1|fc2)\.weight$")
 
 
 # --- Hugging Face folders -------------------------------------------------------
@@ -131,7 +172,7 @@ def _rename(name: str, arch: str) -> str:
     return name
 
 
-def _load_hf(folder: Path) -> tuple[DecoderModel, Tokenizer | None]:
+def _load_hf(folder: Path, weights: str = "float") -> tuple[DecoderModel, Tokenizer | None]:
     from safetensors.torch import load_file
 
     hf = json.loads((folder / "config.json").read_text())
@@ -153,7 +194,10 @@ def _load_hf(folder: Path) -> tuple[DecoderModel, Tokenizer | None]:
         eos = json.loads(gen.read_text()).get("eos_token_id")
         stop |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     tok = Tokenizer.from_hf_folder(folder, stop) if (folder / "tokenizer.json").exists() else None
-    return build_model(cfg, state), tok
+    modules: dict[str, nn.Module] = {}
+    if weights == "int4":
+        quantize(cfg, state, modules)
+    return build_model(cfg, state, modules=modules), tok
 
 
 # --- GGUF ---------------------------------------------------------------------
@@ -216,8 +260,8 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: Path) -> tuple[DecoderModel, Tokenizer]:
-    from gguf import GGUFReader
+def _load_gguf(path: Path, weights: str = "float") -> tuple[DecoderModel, Tokenizer]:
+    from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 
     reader = GGUFReader(str(path))
@@ -228,18 +272,36 @@ def _load_gguf(path: Path) -> tuple[DecoderModel, Tokenizer]:
     names = {t.name for t in reader.tensors}
     cfg = gguf_config(fields, arch, "output.weight" in names)
     state: dict[str, torch.Tensor] = {}
+    modules: dict[str, nn.Module] = {}
     freq_factors = None
     for t in reader.tensors:
-        w = dequantize(t.data, t.tensor_type).reshape(tuple(int(x) for x in reversed(t.shape)))
-        if t.name == "rope_freqs.weight":
-            freq_factors = torch.from_numpy(np.array(w, dtype=np.float32))
-            continue
+        shape = tuple(int(x) for x in reversed(t.shape))
         parts = t.name.split(".")
+        heads = None
         if arch == "llama" and parts[-2] in ("attn_q", "attn_k"):
-            w = _unpermute(w, cfg.num_heads if parts[-2] == "attn_q" else cfg.num_kv_heads)
+            heads = cfg.num_heads if parts[-2] == "attn_q" else cfg.num_kv_heads
         if parts[0] == "blk":
             name = f"layers.{parts[1]}.{_GGUF_RENAMES[parts[2]]}.{parts[3]}"
         else:
-            name = f"{_GGUF_RENAMES[parts[0]]}.{parts[1]}"
+            name = f"{_GGUF_RENAMES[parts[0]]}.{parts[1]}" if t.name != "rope_freqs.weight" else t.name
+        if weights == "int4" and t.tensor_type == GGMLQuantizationType.Q4_1 and _LINEAR.search(name):
+            q, d, m = q4_1_groups(t.data, *shape)  # the file's blocks as they are
+            if heads is not None:
+                q, d, m = (_unpermute(a, heads) for a in (q, d, m))
+            path = name.rsplit(".", 1)[0]
+            modules[path] = Int4Linear.from_groups(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, d, m)))
+            continue
+        w = dequantize(t.data, t.tensor_type).reshape(shape)
+        if t.name == "rope_freqs.weight":
+            freq_factors = torch.from_numpy(np.array(w, dtype=np.float32))
+            continue
+        if heads is not None:
+            w = _unpermute(w, heads)
         state[name] = torch.from_numpy(np.array(w, dtype=np.float32))
-    return build_model(cfg, state, freq_factors), Tokenizer.from_gguf(fields)
+    if weights == "int4":
+        for path in modules:  # a Q4_1 layer's bias (Qwen2) stays float, next to its module
+            bias = state.pop(f"{path}.bias", None)
+            if bias is not None:
+                modules[path].bias = nn.Parameter(bias, requires_grad=False)
+        quantize(cfg, state, modules)
+    return build_model(cfg, state, freq_factors, modules), Tokenizer.from_gguf(fields)

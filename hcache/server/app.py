@@ -75,7 +75,7 @@ def build_engine(
 ) -> tuple[Engine, ChunkStore]:
     if profile is None and cfg.profile:
         profile = Profile.load(Path(cfg.profile))  # before the model: a bad path fails at once
-    loaded = loaded or load(cfg.model, cfg.dtype, cfg.device)
+    loaded = loaded or load(cfg.model, cfg.dtype, cfg.device, cfg.weights)
     if loaded.tokenizer is None:
         raise ValueError(f"{loaded.source} has no tokenizer; hcache serve needs one")
     dirs = ensure_dirs(cfg.storage.dirs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -12,6 +13,7 @@ from hcache.engine.generate import generate
 from hcache.engine.sampler import SamplingParams
 from hcache.model import KVCache
 from hcache.model.base import DecoderModel
+from hcache.model.loader import load
 from hcache.restore.executor import moved_by_buffer, restore
 from hcache.restore.plan import Method, Plan
 from hcache.restore.state import MemoryState
@@ -25,6 +27,15 @@ def model(request, tiny_folder) -> DecoderModel:
     if request.param == "default":
         return request.getfixturevalue("default_model").model
     return tload(tiny_folder(request.param))
+
+
+@functools.cache
+def _int4() -> DecoderModel:
+    return load("default", "bfloat16", weights="int4").model
+
+
+def rel_tol(model: DecoderModel) -> float:
+    return REL if model.dtype == torch.float32 else 2**-7  # bf16 has an 8-bit mantissa
 
 
 def chat_like(model: DecoderModel) -> tuple[MemoryState, KVCache]:
@@ -49,7 +60,7 @@ def assert_restored(model: DecoderModel, state: MemoryState, restored: KVCache, 
             if method == Method.KV:
                 assert torch.equal(got, want), f"layer {layer} KV path not identical"
             else:
-                assert rel_err(got, want) <= REL, f"layer {layer} {method.value}: {rel_err(got, want)}"
+                assert rel_err(got, want) <= rel_tol(model), f"layer {layer} {method.value}: {rel_err(got, want)}"
 
 
 @pytest.mark.parametrize("method", list(Method))
@@ -67,7 +78,7 @@ def test_kv_from_hidden_each_layer(model: DecoderModel) -> None:
     for layer in range(model.cfg.num_layers):
         k, v = model.kv_from_hidden(layer, state.hidden(layer), pos)
         want_k, want_v = state.kv(layer)
-        assert rel_err(k, want_k) <= REL and rel_err(v, want_v) <= REL
+        assert rel_err(k, want_k) <= rel_tol(model) and rel_err(v, want_v) <= rel_tol(model)
 
 
 def test_random_mixed_plans_and_continuation(model: DecoderModel) -> None:
@@ -83,6 +94,18 @@ def test_random_mixed_plans_and_continuation(model: DecoderModel) -> None:
         assert_restored(model, state, restored, plan)
         got = list(generate(model, restored, nxt, SamplingParams(max_new_tokens=6), set()))
         assert got == want, f"continuation differs after {plan}"
+
+
+@pytest.mark.parametrize("method", [Method.KV, Method.HIDDEN])
+def test_int4_weights_restore_within_rounding(default_model, method: Method) -> None:
+    """On packed int4 weights (bfloat16) the H path projects with the forward's kernel. The
+    RE path is not here: recomputing a session in one pass instead of turn by turn moves
+    bfloat16 K/V by more than one rounding (about 0.9% by layer 3), so it is not exact."""
+    model = _int4()
+    state, _ = chat_like(model)
+    plan = Plan.uniform(model.cfg.num_layers, method)
+    restored, _ = restore(model, plan, state)
+    assert_restored(model, state, restored, plan)
 
 
 def test_restore_bfloat16_within_rounding(tiny_folder) -> None:

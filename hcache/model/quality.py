@@ -1,0 +1,26 @@
+"""How far a weight mode is from the float oracle: perplexity over a fixed text."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from hcache.model.attention import KVCache
+from hcache.model.base import DecoderModel
+
+
+@torch.inference_mode()
+def logits_of(model: DecoderModel, ids: list[int]) -> torch.Tensor:
+    """Float32 logits `[T, vocab]` of one forward over `ids` from position 0."""
+    cache = KVCache(model.cfg, model.dtype, model.device, capacity=len(ids))
+    t = torch.tensor(ids, device=model.device)
+    return model.logits(model(t, torch.arange(len(ids), device=model.device), cache)).float()
+
+
+def perplexity(model: DecoderModel, ids: list[int]) -> float:
+    """exp of the mean negative log-likelihood of each token after the first."""
+    logits = logits_of(model, ids)
+    nll = F.cross_entropy(logits[:-1], torch.tensor(ids[1:], device=logits.device))
+    return math.exp(nll.item())

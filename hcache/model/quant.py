@@ -1,0 +1,112 @@
+"""Quantized weights on torch's packed low-bit CPU kernels.
+
+- `Int4Linear`: group-wise asymmetric int4 (groups of 32 along the input) on
+  `aten._weight_int4pack_mm_for_cpu`, which computes `(q - 8) * scale + zero` per group.
+  GGUF's Q4_1 blocks (32 weights, a scale d and a minimum m: `q * d + m`) map onto it
+  exactly as `scale = d`, `zero = m + 8 d`; the kernel keeps scale and zero in the
+  activations' dtype (bfloat16), their only rounding.
+- `Int8Rows`: per-row symmetric int8 on `aten._weight_int8pack_mm`, shared by the token
+  embedding (a row per token) and the tied LM head.
+
+Float weights (safetensors, or GGUF types without a packed form) are quantized on load by
+min/max per group (`int4_from_float`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+GROUP = 32
+WEIGHT_MODES = ("float", "int4")
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 2
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", scales_zeros)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_groups(
+        cls, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> Int4Linear:
+        """q `[N, K]` in 0..15, scale and minimum `[N, K/32]`: weight = q * scale + minimum."""
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        zero = minimum.float() + 8 * scale.float()
+        sz = torch.stack([scale.float().t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        return cls(packed, sz, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.dtype != torch.bfloat16:
+            raise TypeError(f"int4 weights run on bfloat16 activations, got {flat.dtype}")
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class Int8Rows(nn.Module):
+    """A `[rows, dim]` matrix as int8 with a scale per row: an LM head (`forward`) and the
+    embedding it is tied to (`lookup`) share it."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor):
+        super().__init__()
+        self.register_buffer("q", q)
+        self.register_buffer("scales", scales)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor) -> Int8Rows:
+        s = (w.float().abs().amax(dim=1) / 127).clamp_min(1e-12)
+        q = torch.round(w.float() / s[:, None]).clamp_(-127, 127).to(torch.int8)
+        return cls(q, s.to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.q.shape[1])
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales.to(flat.dtype))
+        return y.view(*x.shape[:-1], self.q.shape[0])
+
+    def lookup(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.q[tokens].to(dtype) * self.scales[tokens, None].to(dtype)
+
+
+class Int8Embedding(nn.Module):
+    def __init__(self, rows: Int8Rows):
+        super().__init__()
+        self.rows = rows
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.rows.lookup(tokens, self.rows.scales.dtype)
+
+
+def int4_from_float(w: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
+    """Min/max per group of 32: the float matrix `[N, K]` as Q4_1 would store it."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).reshape(n, k)
+    return Int4Linear.from_groups(q, scale, lo, bias)
+
+
+def q4_1_groups(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF Q4_1 bytes `[rows, cols/32 * 20]` as q `[rows, cols]` (uint8), d and m `[rows, cols/32]`
+    (float32). A block is d and m (float16) then 16 bytes: weight j in the low nibble of
+    byte j, weight j+16 in its high nibble."""
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // GROUP, 20)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., 4:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)
+    return q, d, m
+
+
+def linear_bytes(module: nn.Module) -> int:
+    """Bytes of the parameters and buffers a module keeps resident (shared tensors once)."""
+    seen: dict[int, int] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())

@@ -1,0 +1,101 @@
+"""Quantized weights: the int4 kernel's weights are the GGUF file's Q4_1 blocks, and the
+int4 model stays close to the float oracle (logits, greedy tokens, perplexity)."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hcache.model.loader import _unpermute, default_model_path, load
+from hcache.model.quality import logits_of, perplexity
+from hcache.model.quant import Int4Linear, Int8Rows, int4_from_float
+
+TEXT = Path(__file__).parent.parent / "data" / "perplexity.txt"
+
+
+@pytest.fixture(scope="module")
+def int4_model(default_model):
+    return load("default", "bfloat16", weights="int4")
+
+
+def _kernel_weights(lin: Int4Linear) -> torch.Tensor:
+    """`[N, K]` as the kernel applies them: its output for the identity."""
+    eye = torch.eye(lin.in_features, dtype=torch.bfloat16)
+    return lin(eye).float().t()
+
+
+@pytest.mark.parametrize(
+    "name,path,heads", [("blk.0.attn_q.weight", "layers.0.wq", 9), ("blk.7.ffn_down.weight", "layers.7.w_down", None)]
+)
+def test_int4_weights_are_the_files_q4_1_blocks(int4_model, name, path, heads):
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    t = next(t for t in GGUFReader(str(default_model_path())).tensors if t.name == name)
+    assert t.tensor_type == GGMLQuantizationType.Q4_1
+    shape = tuple(int(x) for x in reversed(t.shape))
+    want = dequantize(t.data, t.tensor_type).reshape(shape)
+    if heads:
+        want = _unpermute(want, heads)
+    want = torch.from_numpy(np.ascontiguousarray(want, dtype=np.float32))
+    got = _kernel_weights(int4_model.model.get_submodule(path))
+    # the kernel keeps each block's scale and zero in bfloat16 (relative error 2^-9) and
+    # rounds its output to bfloat16: beyond that the weights are the file's
+    blocks = want.reshape(shape[0], -1, 32)
+    span = (blocks.amax(-1) - blocks.amin(-1)).repeat_interleave(32, dim=1)
+    bound = 2**-9 * (span + want.abs()) * 2 + 2**-8 * want.abs() + 1e-7
+    assert ((got - want).abs() <= bound).all()
+    # and the nibbles are the file's: no weight moved by a quantization step
+    assert ((got - want).abs() < span / 15 / 4 + 1e-6).all()
+
+
+def test_int8_rows_round_trip():
+    w = torch.randn(64, 96)
+    rows = Int8Rows.from_float(w)
+    x = torch.randn(3, 96).bfloat16()
+    torch.testing.assert_close(rows(x).float(), x.float() @ w.t(), atol=0.15, rtol=0.05)
+    torch.testing.assert_close(
+        rows.lookup(torch.tensor([5]), torch.float32)[0], w[5], atol=w[5].abs().max().item() / 100, rtol=0
+    )
+
+
+def test_int4_from_float_is_q4_1_of_the_matrix():
+    w = torch.randn(64, 128)
+    got = _kernel_weights(int4_from_float(w))
+    step = (w.reshape(64, 4, 32).amax(-1) - w.reshape(64, 4, 32).amin(-1)) / 15
+    assert ((got - w).abs() <= step.repeat_interleave(32, dim=1) * 0.55 + 0.02).all()
+
+
+def test_int4_stays_close_to_the_float_oracle(default_model, int4_model):
+    ids = default_model.tokenizer.encode(TEXT.read_text())
+    oracle = logits_of(default_model.model, ids)
+    got = logits_of(int4_model.model, ids)
+    assert (got - oracle).abs().max().item() < 2.0  # logits span about 60 here
+    assert (got.argmax(-1) == oracle.argmax(-1)).float().mean().item() > 0.9
+    ppl_float, ppl_int4 = perplexity(default_model.model, ids), perplexity(int4_model.model, ids)
+    assert ppl_int4 < 1.01 * ppl_float, (ppl_int4, ppl_float)
+
+
+def test_int4_needs_bfloat16_on_a_cpu():
+    with pytest.raises(ValueError, match="bfloat16"):
+        load("default", "float32", weights="int4")
+    with pytest.raises(ValueError, match="unsupported weights"):
+        load("default", "bfloat16", weights="int3")
+
+
+def test_a_safetensors_model_is_quantized_on_load(tiny_folder):
+    folder = str(tiny_folder("llama_gqa"))
+    q = load(folder, "bfloat16", weights="int4").model
+    assert isinstance(q.layers[0].wq, Int4Linear) and isinstance(q.lm_head, Int8Rows)
+    # the float model with the weights the kernels apply computes what the int4 model does
+    ref = load(folder, "bfloat16").model
+    with torch.no_grad():
+        for name, mod in q.named_modules():
+            if isinstance(mod, Int4Linear):
+                ref.get_submodule(name).weight.copy_(_kernel_weights(mod))
+        ref.embed_tokens.weight.copy_(q.embed_tokens.rows.q.float() * q.embed_tokens.rows.scales.float()[:, None])
+        ref.lm_head.weight.copy_(q.lm_head.q.float() * q.lm_head.scales.float()[:, None])
+    ids = list(range(3, 40))
+    a, b = logits_of(ref, ids), logits_of(q, ids)
+    assert (a - b).abs().max().item() < 0.05 * a.abs().max().item()
