@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -64,7 +64,7 @@ class DecoderModel(nn.Module, ABC):
             self.__dict__["_ref"] = ref
         return ref
 
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # .to() makes new tensors
+    def _apply(self, fn: Callable, recurse: bool = True) -> DecoderModel:  # .to() makes new tensors
         self.__dict__.pop("_ref", None)
         return super()._apply(fn, recurse)
 
