@@ -43,8 +43,10 @@ bench-serve: $(VENV)/.test
 	$(PY) bench/serve.py $(ARGS)
 
 # llama-cpp-python builds llama.cpp from source (about 12 minutes, once); never part of CI.
+# Without AMX: llama.cpp's AMX kernels segfault on the first decode on our Xeon VMs.
+AMX_OFF := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 $(VENV)/.peers: $(VENV)/.test
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install $(PIN) llama-cpp-python
+	CFLAGS="$(AMX_OFF)" CXXFLAGS="$(AMX_OFF)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install $(PIN) llama-cpp-python
 	touch $@
 
 bench-peers: $(VENV)/.peers
