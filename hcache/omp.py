@@ -19,18 +19,20 @@ import torch
 
 T = TypeVar("T")
 
-_threads = 0  # the compute thread count; 0 until set
+# the compute thread count: torch's at import (before any thread of ours changed its own;
+# a thread's count starts from whatever any thread set last)
+_threads = torch.get_num_threads()
 
 
 def compute_threads() -> int:
-    return _threads or torch.get_num_threads()
+    return _threads
 
 
 def isolate_main(threads: int | None = None) -> int:
     """Record the compute thread count (default: torch's current one) and make the calling
     (main) thread's own parallel regions serial, so that it never holds a team."""
     global _threads
-    _threads = threads or _threads or torch.get_num_threads() or os.cpu_count() or 1
+    _threads = threads or _threads or os.cpu_count() or 1
     torch.set_num_threads(1)
     return _threads
 
@@ -40,18 +42,20 @@ def serial() -> None:
     torch.set_num_threads(1)
 
 
-def use_compute_threads() -> None:
-    """In a thread that computes (the engine's loop, a worker): the full thread count."""
-    torch.set_num_threads(compute_threads())
+def use_compute_threads(threads: int | None = None) -> None:
+    """In a thread that computes (the engine's loop, a worker): the full thread count, as
+    read in the thread that started it (a new thread's own count is whatever was set last)."""
+    torch.set_num_threads(threads or compute_threads())
 
 
 def on_worker(fn: Callable[[], T], name: str = "hcache-compute") -> T:
     """`fn()` on a fresh thread with the full thread count; its team ends with the thread."""
     out: list[T] = []
     err: list[BaseException] = []
+    threads = compute_threads()
 
     def run() -> None:
-        use_compute_threads()
+        use_compute_threads(threads)
         try:
             out.append(fn())
         except BaseException as e:  # re-raised in the caller

@@ -71,6 +71,7 @@ class Engine:
         self.finisher = Finisher(store, self.scheduler, self.lock, tokenizer.decode, self._wake.set)
         self.draining = False
         self._stop = False
+        self._threads = omp.compute_threads()
         self._thread = threading.Thread(target=self._loop, name="hcache-engine", daemon=True)
         self._thread.start()
 
@@ -286,7 +287,7 @@ class Engine:
     def _loop(self) -> None:
         if self.model.device.type == "cpu":
             torch.set_grad_enabled(False)
-            omp.use_compute_threads()
+            omp.use_compute_threads(self._threads)
         with torch.inference_mode():
             while not self._stop:
                 try:
