@@ -10,7 +10,6 @@ once `isolate_main` ran."""
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -32,13 +31,14 @@ def isolate_main(threads: int | None = None) -> int:
     """Record the compute thread count (default: torch's current one) and make the calling
     (main) thread's own parallel regions serial, so that it never holds a team."""
     global _threads
-    _threads = threads or _threads or os.cpu_count() or 1
+    _threads = threads or _threads
     torch.set_num_threads(1)
     return _threads
 
 
 def serial() -> None:
-    """In a thread that only moves bytes (storage, RPC): its copies run on its own core."""
+    """In a thread that only moves bytes (storage): its larger torch copies would each start
+    a team of every core, and dozens of such threads would starve the compute thread."""
     torch.set_num_threads(1)
 
 

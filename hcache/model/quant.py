@@ -102,11 +102,3 @@ def q4_1_groups(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.n
     qs = blocks[..., 4:]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)
     return q, d, m
-
-
-def linear_bytes(module: nn.Module) -> int:
-    """Bytes of the parameters and buffers a module keeps resident (shared tensors once)."""
-    seen: dict[int, int] = {}
-    for t in [*module.parameters(), *module.buffers()]:
-        seen[t.data_ptr()] = t.numel() * t.element_size()
-    return sum(seen.values())

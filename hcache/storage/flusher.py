@@ -16,13 +16,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hcache import omp
 from hcache.storage.buffers import ChunkBuf, ChunkPools
 from hcache.storage.errors import StorageError, StorageFull, write_error
 from hcache.storage.layout import CHUNK_TOKENS, ChunkShape, Kind, checksum, decode_layer_kinds
 from hcache.storage.manifest import ChunkRow, Manifest
 from hcache.storage.placement import Placement
 from hcache.storage.reader import read_chunk
-from hcache.storage.readpool import one_core_copies
 from hcache.storage.staging import StagedBatch, StagingRing
 from hcache.storage.stats import StoreStats
 
@@ -94,7 +94,7 @@ class Packer(threading.Thread):
         self.seq = 0
 
     def run(self) -> None:
-        one_core_copies()
+        omp.serial()
         while (item := self.inbox.get()) is not None:
             try:
                 if isinstance(item, StagedBatch):
@@ -219,7 +219,7 @@ class DirWriter(threading.Thread):
         self.on_flush: Callable[[int, float], None] | None = None  # (directory, seconds) per written group
 
     def run(self) -> None:
-        one_core_copies()
+        omp.serial()
         while (first := self.inbox.get()) is not None:
             group, size, stop = [first], self.slot_max, False
             while size + self.slot_max <= self.group_bytes:

@@ -13,13 +13,6 @@ from hcache.storage.readplan import Request
 from hcache.storage.throttle import wait_until
 
 
-def one_core_copies() -> None:
-    """Storage threads copy with torch, whose larger copies would each start an OpenMP team
-    of every core: dozens of such threads oversubscribe the cores and starve the restore's
-    compute thread (hcache/omp.py). The setting is per thread."""
-    omp.serial()
-
-
 class ReadPool:
     """Per-directory reader threads and one verifier thread. Readers only read; each
     finished request goes to the verifier, which checks and places it. Reads land in place
@@ -62,7 +55,7 @@ class ReadPool:
         self.buffers.put(buf)
 
     def _loop(self, q: queue.Queue) -> None:
-        one_core_copies()
+        omp.serial()
         while (item := q.get()) is not None:
             fn, req = item
             # a capped request waits for its turn here, holding no buffer
@@ -75,7 +68,7 @@ class ReadPool:
 
     def _verifier(self) -> None:
         """One thread checks every finished read (checksums, copies out of bounce buffers)."""
-        one_core_copies()
+        omp.serial()
         while (item := self.checks.get()) is not None:
             fn, args = item
             fn(*args)
