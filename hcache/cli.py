@@ -6,12 +6,16 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hcache import config
 from hcache.config import Config
 from hcache.flags import add_config_flags, to_config
 from hcache.malloc import tune_allocator
 from hcache.storage.errors import StorageError
+
+if TYPE_CHECKING:
+    from hcache.restore.profile import Geometry, Profile
 
 
 def _common(p: argparse.ArgumentParser, base: Config, only: tuple[str, ...] | None = ("model", "dtype")) -> None:
@@ -37,14 +41,20 @@ def parser(base: Config | None = None) -> argparse.ArgumentParser:
     prof.add_argument("--dirs", nargs="+", help="storage directories to measure (default: the store's)")
     prof.add_argument("--reprofile", action="store_true", help="measure again even if a profile is cached")
     plan = sub.add_parser("plan", help="what restore plan hcache would use for a model on a machine")
-    plan.add_argument("--model", help="'default', a .gguf file or an HF folder (or give the geometry)")
+    plan.add_argument(
+        "--model", help="'default', a .gguf file, an HF folder or a known geometry (llama-2-7b, opt-30b, ...)"
+    )
     plan.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "head-dim"):
         plan.add_argument(f"--{name}", type=int)
     plan.add_argument("--tokens", type=int, required=True, help="context length to restore")
     plan.add_argument("--profile", help="a profile JSON from `hcache profile`")
-    plan.add_argument("--tflops", type=float, help="hypothetical machine: peak compute")
-    plan.add_argument("--io-gbps", type=float, help="hypothetical machine: storage read bandwidth")
+    plan.add_argument("--device", help="hypothetical machine: a known accelerator (a100-40g, h100-sxm, l4, ...)")
+    plan.add_argument("--tflops", type=float, help="hypothetical machine: peak compute (overrides --device's)")
+    plan.add_argument("--mem-gbps", type=float, help="hypothetical machine: memory bandwidth (overrides --device's)")
+    plan.add_argument("--io-gbps", type=float, help="hypothetical machine: storage read bandwidth, all drives")
+    plan.add_argument("--tp", type=int, default=1, help="hypothetical machine: tensor-parallel devices")
+    plan.add_argument("--efficiency", type=float, help="fraction of the peaks a restore reaches (default 0.75)")
     plan.add_argument("--cap-gbps", type=float, help="read bandwidth cap in GB/s")
     plan.add_argument("--json", action="store_true")
     serve = sub.add_parser(
@@ -159,10 +169,13 @@ def _plan(args: argparse.Namespace) -> int:
 
     from hcache.config import ModelConfig, hcache_home
     from hcache.restore.partitioner import partition
+    from hcache.restore.presets import MODELS
     from hcache.restore.profile import Geometry, Profile
 
     elem = 4 if args.dtype == "float32" else 2
-    if args.model:
+    if args.model in MODELS:
+        mcfg = MODELS[args.model]
+    elif args.model:
         from hcache.model.loader import read_config
 
         mcfg = read_config(args.model)
@@ -175,14 +188,17 @@ def _plan(args: argparse.Namespace) -> int:
         head_dim = args.head_dim or args.hidden // args.heads
         mcfg = ModelConfig("llama", 0, args.hidden, args.ffn, args.layers, args.heads, kv_heads, head_dim, 0)
     geom = Geometry.of(mcfg, elem)
+    hypothetical = args.device or args.tflops or args.mem_gbps or args.tp != 1 or args.efficiency is not None
     if args.profile:
+        if hypothetical:
+            raise ValueError("--profile describes a measured machine: drop --device/--tflops/--mem-gbps/--tp")
         prof = Profile.load(Path(args.profile))
-    elif args.tflops and args.io_gbps:
-        prof = Profile.hypothetical(geom, args.tflops, args.io_gbps)
+    elif hypothetical or args.io_gbps:
+        prof = _hypothetical(args, geom)
     else:
         cached = sorted((hcache_home() / "profiles").glob("*.json"))
         if not cached:
-            raise ValueError("no profile: run `hcache profile`, or pass --profile FILE or --tflops T --io-gbps B")
+            raise ValueError("no profile: run `hcache profile`, or pass --profile FILE or --device D --io-gbps B")
         prof = Profile.load(cached[-1])
     res = partition(geom, prof, args.tokens, args.cap_gbps or None)
     if args.json:
@@ -192,6 +208,26 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"  predicted {res.makespan_ms:.1f} ms (storage {res.io_ms:.1f} ms, compute {res.compute_ms:.1f} ms)")
         print(f"  reads {res.bytes / 1e6:.1f} MB; counts {res.plan.counts()}")
     return 0
+
+
+def _hypothetical(args: argparse.Namespace, geom: Geometry) -> Profile:
+    from hcache.restore.presets import DEVICES, EFFICIENCY
+    from hcache.restore.profile import Profile
+
+    dev = None
+    if args.device:
+        if args.device not in DEVICES:
+            raise ValueError(f"unknown --device {args.device!r}; known: {', '.join(DEVICES)}")
+        dev = DEVICES[args.device]
+    tflops = args.tflops or (dev and dev.tflops)
+    if not tflops or not args.io_gbps:
+        raise ValueError("a hypothetical machine needs --device or --tflops, and --io-gbps")
+    # without a device, 100 GB/s: a server CPU's memory, where planning a GPU needs --device
+    mem = args.mem_gbps or (dev.mem_gbps if dev else 100.0)
+    eff = args.efficiency if args.efficiency is not None else EFFICIENCY
+    label = args.device or f"{tflops:g} TFLOPS"
+    name = f"{label}: {tflops:g} TFLOPS, {mem:g} GB/s memory"
+    return Profile.hypothetical(geom, tflops, args.io_gbps, mem, tp=args.tp, efficiency=eff, name=name)
 
 
 if __name__ == "__main__":

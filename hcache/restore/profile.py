@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hcache.config import ModelConfig
+from hcache.config import ARCH_OPT, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -24,10 +24,12 @@ class Geometry:
     q_dim: int
     ffn: int
     elem_bytes: int
+    mlp_mats: int = 3  # gate, up and down (Llama); OPT's MLP has two
 
     @classmethod
     def of(cls, cfg: ModelConfig, elem_bytes: int) -> Geometry:
-        return cls(cfg.num_layers, cfg.hidden_size, cfg.kv_dim, cfg.q_dim, cfg.intermediate_size, elem_bytes)
+        mats = 2 if cfg.arch == ARCH_OPT else 3
+        return cls(cfg.num_layers, cfg.hidden_size, cfg.kv_dim, cfg.q_dim, cfg.intermediate_size, elem_bytes, mats)
 
     def h_bytes(self, n: int) -> int:
         return n * self.hidden * self.elem_bytes
@@ -42,7 +44,7 @@ class Geometry:
     def layer_flops(self, n: int) -> float:
         """One decoder layer's forward over n tokens from position 0 (causal attention)."""
         proj = 2.0 * n * self.hidden * (self.q_dim + 2 * self.kv_dim + self.q_dim)
-        mlp = 2.0 * n * 3 * self.hidden * self.ffn
+        mlp = 2.0 * n * self.mlp_mats * self.hidden * self.ffn
         attn = 2.0 * n * n * self.q_dim  # QK^T and PV, half of the n x n scores on average
         return proj + mlp + attn
 
@@ -95,14 +97,35 @@ class Profile:
 
     @classmethod
     def hypothetical(
-        cls, geom: Geometry, tflops: float, io_gbps: float, mem_gbps: float = 100.0, latency_ms: float = 0.1
+        cls,
+        geom: Geometry,
+        tflops: float,
+        io_gbps: float,
+        mem_gbps: float = 100.0,
+        latency_ms: float = 0.1,
+        *,
+        tp: int = 1,
+        efficiency: float = 1.0,
+        name: str = "",
     ) -> Profile:
-        """A machine given by peak compute and storage bandwidth ("what would hcache do on X")."""
-        flops = tflops * 1e12
-        ktok_h = geom.h_flops(1000) / flops * 1e3 + geom.kv_bytes(1000) / (mem_gbps * 1e9) * 1e3
-        ktok_kv = geom.kv_bytes(1000) / (mem_gbps * 1e9) * 1e3
+        """A machine given by peak compute, memory and storage bandwidth ("what would hcache do
+        on X"). `tp` devices split each layer's heads (tensor parallelism): compute and memory
+        scale by `tp`, and `io_gbps` is what all their drives read together. `efficiency` is the
+        fraction of the compute and memory peaks a restore reaches."""
+        if min(tflops, io_gbps, mem_gbps, efficiency) <= 0 or tp < 1:
+            raise ValueError("compute, bandwidths, efficiency and --tp must be positive")
+        flops = tflops * 1e12 * tp * efficiency
+        mem = mem_gbps * 1e9 * tp * efficiency
+        ktok_kv = geom.kv_bytes(1000) / mem * 1e3
+        ktok_h = geom.h_flops(1000) / flops * 1e3 + ktok_kv
         re = {n: geom.layer_flops(n) / flops * 1e3 for n in (256, 1024, 4096, 16384)}
-        return cls(f"hypothetical {tflops} TFLOPS, {io_gbps} GB/s", io_gbps, latency_ms, ktok_h, ktok_kv, re)
+        name = name or f"hypothetical {tflops:g} TFLOPS, {mem_gbps:g} GB/s memory"
+        if tp > 1:
+            name += f", x{tp} tensor-parallel"
+        if efficiency != 1.0:
+            name += f", at {efficiency:.0%} of peak"
+        name += f"; {io_gbps:g} GB/s storage"
+        return cls(name, io_gbps, latency_ms, ktok_h, ktok_kv, re)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

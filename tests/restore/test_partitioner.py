@@ -246,3 +246,36 @@ def test_lower_bound_is_never_beaten_and_is_the_fractional_optimum() -> None:
     assert lower_bound(MHA_7B, prof, 1000) == pytest.approx(2 * 32 * h * p / (h + p))
     kv_only = simulate((Method.KV,) * 32, layer_costs(MHA_7B, prof, 1000))[2]
     assert kv_only / lower_bound(MHA_7B, prof, 1000) == pytest.approx(1 + h / p, rel=0.01)
+
+
+# HCache paper, Table 3: A100s with PM9A3 SSDs (6.9 GB/s each); 4 SSDs on one A100 for the
+# Llama-2 models, one SSD per A100 and tensor parallelism over 4 for OPT-30B
+PAPER_TABLE_3 = [
+    ("llama-2-7b", 1, {"recompute": 0, "hidden": 31, "kv": 1}),
+    ("llama-2-13b", 1, {"recompute": 0, "hidden": 36, "kv": 4}),
+    ("opt-30b", 4, {"recompute": 8, "hidden": 40, "kv": 0}),
+]
+
+
+@pytest.mark.parametrize("model,tp,want", PAPER_TABLE_3)
+@pytest.mark.parametrize("tokens", [2048, 4096, 8192, 16384])
+def test_device_presets_reproduce_the_papers_schedules(model: str, tp: int, want: dict, tokens: int) -> None:
+    from hcache.restore.presets import DEVICES, EFFICIENCY, MODELS
+
+    a100 = DEVICES["a100-40g"]
+    geom = Geometry.of(MODELS[model], 2)
+    prof = Profile.hypothetical(geom, a100.tflops, 4 * 6.9, a100.mem_gbps, tp=tp, efficiency=EFFICIENCY)
+    got = partition(geom, prof, tokens).plan.counts()
+    assert all(abs(got[m] - n) <= 2 for m, n in want.items()), (got, want)
+
+
+@pytest.mark.parametrize("device", ["a100-40g", "h100-sxm", "h200", "l4"])
+def test_grouped_query_models_store_no_hidden_states_on_any_device(device: str) -> None:
+    from hcache.restore.presets import DEVICES, EFFICIENCY, MODELS
+
+    d = DEVICES[device]
+    geom = Geometry.of(MODELS["llama-3-8b"], 2)
+    for gbps in (6.9, 27.6):
+        for tokens in (1024, 16384):
+            prof = Profile.hypothetical(geom, d.tflops, gbps, d.mem_gbps, efficiency=EFFICIENCY)
+            assert partition(geom, prof, tokens).plan.counts()["hidden"] == 0

@@ -103,3 +103,18 @@ def test_plan_cli_errors(capsys, default_model) -> None:
     assert "--hidden" in capsys.readouterr().err
     assert main(["plan", "--model", "default", "--tokens", "0", "--tflops", "1", "--io-gbps", "1"]) == 2
     assert "nothing to restore" in capsys.readouterr().err
+
+
+def test_plan_cli_device_presets(capsys) -> None:
+    args = ["plan", "--model", "opt-30b", "--device", "a100-40g", "--tp", "4", "--io-gbps", "27.6"]
+    assert main([*args, "--tokens", "4096", "--json"]) == 0
+    counts = json.loads(capsys.readouterr().out)["counts"]
+    assert abs(counts["hidden"] - 40) <= 2 and abs(counts["recompute"] - 8) <= 2
+    assert main(["plan", "--model", "llama-2-7b", "--device", "h100-sxm", "--io-gbps", "27.6", "--tokens", "4096"]) == 0
+    assert "h100-sxm: 989 TFLOPS, 3350 GB/s memory" in capsys.readouterr().out
+    assert main(["plan", "--model", "llama-2-7b", "--device", "nope", "--io-gbps", "1", "--tokens", "9"]) == 2
+    assert "unknown --device 'nope'" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama-2-7b", "--device", "l4", "--tokens", "9"]) == 2
+    assert "--io-gbps" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama-2-7b", "--device", "l4", "--io-gbps", "1", "--tp", "0", "--tokens", "9"]) == 2
+    assert "positive" in capsys.readouterr().err
