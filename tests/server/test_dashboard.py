@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import time
 import urllib.error
@@ -117,6 +118,18 @@ def test_dashboard_in_chromium(live):
         assert "RE " in row.inner_text() and "/ KV" in row.inner_text()
         assert page.locator("#storage tbody tr").count() == 2
         assert page.locator("#mix canvas").count() == 1 and page.locator("#lat canvas").count() == 1
+        # the mix chart names the mix the restore used, not the empty chart's placeholder
+        page.wait_for_function(
+            "() => /\\b(RE|H|KV)\\b/.test(document.querySelector('#mix .u-legend').innerText)", timeout=5000
+        )
+        # time axes: the time of day over a sliding window of the last minutes, never dates
+        now = page.evaluate("new Date().getHours() * 60 + new Date().getMinutes()")
+        for chart in ("mix", "lat"):
+            labels = page.locator(f"#{chart}").get_attribute("data-x-labels").split("|")
+            assert len(labels) >= 3, labels
+            assert all(re.fullmatch(r"\d\d:\d\d(:\d\d)?", x) for x in labels), labels
+            minutes = [int(x[:2]) * 60 + int(x[3:5]) for x in labels]
+            assert all((now - m) % 1440 <= 6 for m in minutes), (labels, now)
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
         browser.close()

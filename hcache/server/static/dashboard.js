@@ -3,8 +3,30 @@
 
 const MIXES = ["RE", "H", "KV", "RE+H", "RE+KV", "H+KV", "RE+H+KV"];
 const COLORS = ["#c62828", "#1565c0", "#2e7d32", "#8e24aa", "#ef6c00", "#00838f", "#6d4c41"];
+// charts slide over the last few minutes, labelled with the time of day: auto-ranged over a
+// few sparse points, uPlot's time axis spanned years
+const WINDOW_S = 300;
 let mixPlot = null;
 let latPlot = null;
+let latest = Date.now() / 1000;
+
+function clock(t, seconds) {
+  const opts = { hour: "2-digit", minute: "2-digit", hourCycle: "h23" };
+  if (seconds) opts.second = "2-digit";
+  return new Date(t * 1000).toLocaleTimeString([], opts);
+}
+
+function timeAxis(el) {
+  return {
+    space: 60,
+    incrs: [10, 15, 30, 60, 120, 300],
+    values: (u, splits, axisIdx, space, incr) => {
+      const labels = splits.map((t) => clock(t, incr < 60));
+      el.dataset.xLabels = labels.join("|");
+      return labels;
+    },
+  };
+}
 
 function fmtBytes(n) {
   if (n == null) return "-";
@@ -51,17 +73,20 @@ function tableRows(id, rows, fill) {
 
 function chart(el, series, data, old) {
   const width = el.clientWidth || 500;
-  if (old && old.series.length === series.length + 1) { old.setData(data); return old; }
+  const same = old && old.series.length === series.length + 1 &&
+    series.every((s, i) => old.series[i + 1].label === s.label);
+  if (same) { old.setData(data); return old; }
   if (old) old.destroy();
   return new uPlot({
     width, height: 220,
-    scales: { x: { time: true } },
-    series: [{}, ...series],
-    axes: [{}, { size: 50 }],
+    scales: { x: { time: true, range: () => [latest - WINDOW_S, latest] } },
+    series: [{}, ...series.map((s) => ({ points: { show: true }, ...s }))],
+    axes: [timeAxis(el), { size: 50 }],
   }, data, el);
 }
 
 function draw(d) {
+  latest = d.time;
   document.getElementById("model").textContent = `${d.model}${d.draining ? " — draining" : ""}`;
   const st = document.getElementById("status");
   st.textContent = `updated ${new Date(d.time * 1000).toLocaleTimeString()}`;
@@ -86,7 +111,7 @@ function draw(d) {
     cell(tr, s.plan || "-");
     cell(tr, s.restore_ms == null ? "-" : s.restore_ms.toFixed(1), "num");
   });
-  const h = d.history;
+  const h = d.history.filter((b) => b.t >= latest - WINDOW_S);
   const xs = h.map((b) => b.t);
   const mixes = MIXES.filter((m) => h.some((b) => b.mix[m])).concat(
     [...new Set(h.flatMap((b) => Object.keys(b.mix)))].filter((m) => !MIXES.includes(m)));
