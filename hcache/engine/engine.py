@@ -62,6 +62,9 @@ class Engine:
         per_block = BlockPool.bytes_per_block(model.cfg, model.dtype)
         self.pool = BlockPool(model.cfg, model.dtype, model.device, max(1, self.cfg.kv_budget_bytes // per_block))
         kinds = layer_kinds_for(self.cfg.store_kinds, model, profile, self.cfg.plan_tokens)
+        # read buffers for restores up to the planned length, so that none pays for fresh memory
+        mc = model.cfg
+        store.buffers.warm(self.cfg.plan_tokens * max(mc.hidden_size, 2 * mc.kv_dim), mc.num_layers)
         self.registry = Registry(store, model, kinds)
         self.lock = threading.RLock()
         self.counters = Counters()

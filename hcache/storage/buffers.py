@@ -13,7 +13,7 @@ from typing import Generic, TypeVar
 import torch
 
 from hcache.storage.layout import ChunkShape, Kind
-from hcache.storage.slab import HUGE_PAGE, aligned_buffer
+from hcache.storage.slab import HUGE_PAGE, aligned_buffer, hugepage_later
 from hcache.storage.stats import StoreStats
 
 T = TypeVar("T")
@@ -73,7 +73,9 @@ def _chunk_view(shape: ChunkShape) -> Callable[[memoryview], ChunkBuf]:
 
 class LayerBuffers:
     """Layer-sized read buffers, reused across restores. One pool serves H and KV layers of
-    any length, so a restore of one kind after another of the other finds buffers to reuse."""
+    any length, so a restore of one kind after another of the other finds buffers to reuse.
+    Fresh memory is slow to touch (page faults, and huge-page compaction), so `warm` fills
+    the pool at start-up, and a buffer made inside a restore takes huge pages only after it."""
 
     def __init__(self, dtype: torch.dtype, pinned: bool, prefetch_bytes: int, prefetch_layers: int, stats: StoreStats):
         self.dtype, self.pinned, self.stats = dtype, pinned, stats
@@ -81,6 +83,22 @@ class LayerBuffers:
         self.free: list[torch.Tensor] = []  # least recently returned first
         self._pooled_bytes = 0
         self.lock = threading.Lock()
+
+    def warm(self, layer_numel: int, num_layers: int) -> None:
+        """Pool what one restore's read-ahead holds for any length up to layers of
+        `layer_numel` elements, made and touched now. A restore holds the layer window, or
+        more layers while they hold less than `prefetch_bytes` (more and smaller ones for a
+        shorter context), and two more: the k-th buffer is as large as any length needs k."""
+        per_byte = self.prefetch_bytes // self.dtype.itemsize
+        sizes = [
+            layer_numel if k <= self.prefetch_layers + 2 else min(layer_numel, per_byte // (k - 2))
+            for k in range(1, max(num_layers, self.prefetch_layers) + 3)
+        ]
+        bufs = [self._fresh(n, huge=True) for n in sizes if n > 0]
+        for b in bufs:
+            b.zero_()
+        for b in bufs:
+            self.give(b)
 
     def take(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The smallest free buffer that is large enough, whatever it last held; new ones are
@@ -94,21 +112,29 @@ class LayerBuffers:
                 self._pooled_bytes -= flat.nbytes
             else:
                 self.stats.count_buffer_allocated()
-        if flat is None:  # pinned on CUDA: the restorer's host-to-device copies then run async
-            item = self.dtype.itemsize
-            size = -(-n * item // HUGE_PAGE) * HUGE_PAGE // item
-            flat = (
-                torch.empty(size, dtype=self.dtype, pin_memory=True)
-                if self.pinned  # page-aligned too (cudaHostAlloc); the reader checks before reading in place
-                else torch.frombuffer(aligned_buffer(size * item), dtype=self.dtype, count=size)
-            )
+        if flat is None:
+            flat = self._fresh(n, huge=False)
         return flat[:n].view(shape)
+
+    def _fresh(self, n: int, huge: bool) -> torch.Tensor:
+        item = self.dtype.itemsize
+        size = -(-n * item // HUGE_PAGE) * HUGE_PAGE // item
+        if self.pinned:  # on CUDA: the restorer's host-to-device copies then run async
+            return torch.empty(size, dtype=self.dtype, pin_memory=True)  # page-aligned (cudaHostAlloc) too
+        mem = aligned_buffer(size * item, huge=huge)
+        flat = torch.frombuffer(mem, dtype=self.dtype, count=size)
+        if not huge:
+            flat.small_pages = mem  # marked for huge pages when it comes back
+        return flat
 
     def give(self, t: torch.Tensor) -> None:
         """Keep what two restores' read-ahead holds (the layer window or `prefetch_bytes`, and a
         little more), so the next restore allocates nothing; over that, the least recently
         returned go."""
         flat = t._base if t._base is not None else t
+        mem = flat.__dict__.pop("small_pages", None)
+        if mem is not None:
+            hugepage_later(mem)
         with self.lock:
             self.free.append(flat)
             self._pooled_bytes += flat.nbytes
