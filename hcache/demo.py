@@ -16,6 +16,7 @@ from hcache.engine.generate import ChatSession
 from hcache.engine.sampler import SamplingParams
 from hcache.model.loader import load
 from hcache.restore.plan import Method, Plan
+from hcache.restore.projection import warm_up
 
 SYSTEM = "You are a helpful assistant."
 TURNS = [
@@ -72,6 +73,7 @@ def run(
     console = console or Console(file=out, width=None if out.isatty() else 150)
     with console.status(f"loading {model} ({dtype})"):
         lm = load(model, dtype)
+        warm_up(lm.model)  # compile before the first turn, as `hcache serve` does
     if lm.tokenizer is None:
         console.print("[red]the model has no tokenizer; the demo needs one[/red]")
         return 2

@@ -29,6 +29,7 @@ from hcache.engine.records import TurnStats
 from hcache.engine.sampler import SamplingParams
 from hcache.model.loader import load
 from hcache.restore import profiler
+from hcache.restore.projection import serve_compiled_only, warm_up
 from hcache.storage.dirs import ensure_dirs
 from hcache.storage.store import ChunkStore
 
@@ -54,10 +55,12 @@ def run(args: argparse.Namespace) -> dict:
     model, tok = lm.model, lm.tokenizer
     dirs = ensure_dirs(args.dirs) if args.dirs else [Path(tempfile.mkdtemp(prefix="hcache-bench-"))]
     root = [Path(tempfile.mkdtemp(dir=d)) for d in dirs]
+    warm_up(model)  # as `hcache serve` starts: no turn pays for compiling
     prof = profiler.load_or_run(model, dirs, Path(args.profile_dir))
     store = ChunkStore(StorageConfig([str(d) for d in root]), model.cfg, model.dtype)
     cfg = EngineConfig(kv_budget_bytes=args.budget_mb << 20, store_kinds="auto")
     engine = Engine(model, tok, store, prof, cfg)
+    serve_compiled_only()
     vocab = model.cfg.vocab_size
     out: dict = {"model": args.model, "dtype": args.dtype, "tokens": args.tokens, "turn": args.turn, "dirs": len(dirs)}
     try:

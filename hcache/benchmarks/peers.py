@@ -37,6 +37,7 @@ from hcache.engine.sequence import Sequence
 from hcache.model.loader import default_model_path, load
 from hcache.restore import profiler
 from hcache.restore.plan import Method
+from hcache.restore.projection import serve_compiled_only, warm_up
 from hcache.storage.dirs import ensure_dirs
 from hcache.storage.store import ChunkStore
 
@@ -201,9 +202,11 @@ def hcache_rows(args: argparse.Namespace, doc: list[int], turn: list[int]) -> tu
     lm = omp.on_worker(lambda: load("default", args.dtype, weights=args.weights))
     dirs = ensure_dirs(args.dirs) if args.dirs else [Path(tempfile.mkdtemp(prefix="hcache-peers-"))]
     roots = [Path(tempfile.mkdtemp(dir=d)) for d in dirs]
+    omp.on_worker(lambda: warm_up(lm.model))  # as `hcache serve` starts: no restore pays for compiling
     prof = omp.on_worker(lambda: profiler.load_or_run(lm.model, dirs, Path(args.profile_dir)))
     store = ChunkStore(StorageConfig([str(r) for r in roots]), lm.model.cfg, lm.model.dtype)
     engine = Engine(lm.model, lm.tokenizer, store, prof, EngineConfig(kv_budget_bytes=4 << 30, store_kinds="both"))
+    serve_compiled_only()
     rows: list[dict] = []
     one = SamplingParams(max_new_tokens=1, ignore_eos=True)
     try:

@@ -125,10 +125,9 @@ class _Compiled:
     def _time(self, fn: Callable, args: tuple) -> None:
         """Median of 5 alternating runs of each form on `CAL_ROWS` rows shaped like `args`."""
         rows = args[0].shape[0]  # type: ignore[union-attr]
-        cal = tuple(
-            torch.randn(CAL_ROWS, *a.shape[1:]).to(a.dtype) if isinstance(a, torch.Tensor) and a.shape[0] == rows else a
-            for a in args
-        )
+        # inputs of the same kinds (inference tensors or not) as the call's: another kind
+        # would compile the kernel again
+        cal = tuple(_like(a, CAL_ROWS) if isinstance(a, torch.Tensor) and a.shape[0] == rows else a for a in args)
         times: dict[str, list[float]] = {"compiled": [], "eager": []}
         forms = {"compiled": fn, "eager": self.eager}
         for i in range(6):  # the first round warms both
@@ -144,6 +143,11 @@ class _Compiled:
             self.name, CAL_ROWS, self.timings["compiled_ms"], self.timings["eager_ms"],
             "compiled" if self.faster else "eager",
         )  # fmt: skip
+
+
+def _like(a: torch.Tensor, rows: int) -> torch.Tensor:
+    with torch.inference_mode(a.is_inference()):
+        return torch.randn(rows, *a.shape[1:]).to(a.dtype)
 
 
 _norm = _Compiled(_rms_norm_ref, lambda x, w, eps: rms_norm_eager(x, w, eps), "RMSNorm")

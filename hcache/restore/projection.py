@@ -35,13 +35,24 @@ class Projector:
 
 def warm_up(model: DecoderModel) -> None:
     """Compile what a prefill and an H restore run (hcache/kernels/fused.py) before the
-    first request: inductor takes seconds per kernel, twenty on a machine's first run."""
+    first request: inductor takes seconds per kernel, twenty on a machine's first run.
+    Dynamo guards on each input's kind, so this runs as the engine does: under inference
+    mode, into a cache made outside it, projecting hidden states made outside it (as read
+    buffers are). The row count is odd and shared with no other dimension, so the kernels
+    compile for every length (no divisibility or duck-sized equality to guard on)."""
     from hcache.kernels.fused import MIN_ROWS
     from hcache.model.attention import KVCache
 
-    n = MIN_ROWS
+    n = MIN_ROWS + 3
     cache = KVCache(model.cfg, model.dtype, model.device, capacity=n)
-    ids = torch.zeros(n, dtype=torch.long, device=model.device)
-    h = torch.zeros(n, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
-    model(ids, torch.arange(n, device=model.device), cache, hidden_out={0: h})
-    Projector(model)(0, h, cache)
+    h = torch.zeros(n, model.cfg.hidden_size, dtype=model.dtype, device=model.device)  # as read buffers are
+    with torch.compiler.set_stance("default"), torch.inference_mode():
+        ids = torch.zeros(n, dtype=torch.long, device=model.device)
+        model(ids, torch.arange(n, device=model.device), cache, hidden_out={0: h})
+        Projector(model)(0, h, cache)
+
+
+def serve_compiled_only() -> None:
+    """From now on a kernel whose inputs would need compiling again runs eager for that
+    call: no request waits for inductor (`warm_up` compiles what serving runs)."""
+    torch.compiler.set_stance("eager_on_recompile")

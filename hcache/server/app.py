@@ -23,7 +23,7 @@ from hcache.engine.telemetry import Telemetry
 from hcache.model.loader import LoadedModel, load
 from hcache.restore import profiler
 from hcache.restore.profile import Profile
-from hcache.restore.projection import warm_up
+from hcache.restore.projection import serve_compiled_only, warm_up
 from hcache.server.auth import AuthInterceptor, load_keys
 from hcache.server.http import SidePort
 from hcache.server.interceptors import CountingInterceptor, ParsingInterceptor
@@ -89,6 +89,7 @@ def build_engine(
     except Exception:
         store.close()
         raise
+    serve_compiled_only()
     return engine, store
 
 

@@ -116,5 +116,7 @@ def test_plan_cli_device_presets(capsys) -> None:
     assert "unknown --device 'nope'" in capsys.readouterr().err
     assert main(["plan", "--model", "llama-2-7b", "--device", "l4", "--tokens", "9"]) == 2
     assert "--io-gbps" in capsys.readouterr().err
-    assert main(["plan", "--model", "llama-2-7b", "--device", "l4", "--io-gbps", "1", "--tp", "0", "--tokens", "9"]) == 2
+    assert (
+        main(["plan", "--model", "llama-2-7b", "--device", "l4", "--io-gbps", "1", "--tp", "0", "--tokens", "9"]) == 2
+    )
     assert "positive" in capsys.readouterr().err
