@@ -28,6 +28,19 @@ def sampling(params: SamplingParams, stops: list[str], max_position: int) -> Non
         raise InvalidArgument(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters")
 
 
+def history(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """A conversation to start a session from: system messages first, then user and assistant."""
+    out = []
+    for i, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        if role not in ("system", "user", "assistant") or not isinstance(content, str):
+            raise InvalidArgument(f"message {i}: a role of system, user or assistant and a text content")
+        if role == "system" and any(o["role"] != "system" for o in out):
+            raise InvalidArgument(f"message {i}: system messages come first")
+        out.append({"role": role, "content": content})
+    return out
+
+
 def tokens(ids: list[int], vocab: int) -> None:
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:

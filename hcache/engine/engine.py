@@ -85,9 +85,13 @@ class Engine:
         context_ids: list[str] | None = None,
         labels: dict[str, str] | None = None,
         tenant: str | None = None,
+        history: list[dict[str, str]] | None = None,
     ) -> Session:
+        """A chat session; `history` is a conversation it starts from (system, user and
+        assistant messages, as a client resends them), computed with its first turn."""
         self._check_open()
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages += checks.history(history or [])
         with self.lock:
             checks.session_limit(self.registry.sessions.values(), tenant, self.cfg.max_sessions_per_tenant)
             return self.registry.create("session", dict(labels or {}), list(context_ids or []), messages, tenant)

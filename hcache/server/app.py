@@ -105,8 +105,9 @@ def start(cfg: Config, profile: Profile | None = None, loaded: LoadedModel | Non
     interceptors: list[grpc.ServerInterceptor] = [
         CountingInterceptor(lambda rpc, code: metrics.requests.labels(rpc, code).inc())
     ]
-    if s.api_keys_file:
-        interceptors.append(AuthInterceptor(load_keys(s.api_keys_file)))
+    keys = load_keys(s.api_keys_file) if s.api_keys_file else None
+    if keys:
+        interceptors.append(AuthInterceptor(keys))
     interceptors.append(ParsingInterceptor())
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=s.workers), interceptors=interceptors, options=opts)
     pb_grpc.add_HCacheServicer_to_server(Servicer(engine), server)
@@ -127,7 +128,8 @@ def start(cfg: Config, profile: Profile | None = None, loaded: LoadedModel | Non
     side = None
     if s.http_port >= 0:
         try:
-            side = SidePort(metrics, s.host, s.http_port)
+            tls = (s.tls_cert_file, s.tls_key_file) if s.tls_cert_file else None
+            side = SidePort(metrics, s.host, s.http_port, keys, tls)
         except OSError as e:
             engine.close()
             store.close()

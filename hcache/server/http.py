@@ -1,23 +1,37 @@
-"""The HTTP side port: /metrics (Prometheus), /healthz (live), /readyz (model loaded,
-every storage directory writable, not draining), /dashboard and its JSON feed."""
+"""The HTTP side: an ASGI app (FastAPI) under uvicorn, on the same engine as gRPC.
+/metrics (Prometheus), /healthz (live), /readyz (model loaded, every storage directory
+writable, not draining), /dashboard and its JSON feed, and OpenAI's /v1 API
+(`openai_api.py`). Errors leave in OpenAI's JSON shape, mapped in one place."""
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import os
 import tempfile
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
+from typing import Any
 
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from hcache.engine.errors import EngineError
+from hcache.server import openai_api
 from hcache.server.metrics import Metrics
+from hcache.storage.errors import StorageError
 
 log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
-TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript", ".css": "text/css", ".txt": "text/plain"}
+MAX_BODY_BYTES = 8 << 20  # a chat request's JSON; larger ones get 413 before they are parsed
+DRAIN_BYTES = 64 << 20  # an over-long body up to this is read and dropped before the 413
+
+Scope = MutableMapping[str, Any]
+ASGIApp = Callable[[Scope, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 
 
 def readiness(metrics: Metrics) -> tuple[bool, list[str]]:
@@ -35,70 +49,149 @@ def readiness(metrics: Metrics) -> tuple[bool, list[str]]:
     return not problems, problems
 
 
-class _Handler(BaseHTTPRequestHandler):
-    metrics: Metrics  # set on the subclass made per server
+class BodyLimit:
+    """413 for a body over `limit` bytes, declared or streamed, before anything parses it."""
 
-    def log_message(self, fmt: str, *args: object) -> None:
-        log.debug("http: " + fmt, *args)
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app, self.limit = app, limit
 
-    def _send(self, status: int, body: bytes, ctype: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        self.end_headers()
-        self.wfile.write(body)
+    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[dict]], send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            if int(declared) <= DRAIN_BYTES:  # read it first: a client still sending sees a reset otherwise
+                while (await receive()).get("more_body"):
+                    pass
+            return await _too_large(self.limit)(scope, receive, send)
+        seen = 0
 
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0]
+        async def limited() -> dict:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise _BodyTooLarge
+            return msg
+
         try:
-            if path == "/metrics":
-                self._send(200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST)
-            elif path == "/healthz":
-                self._send(200, b"ok\n", "text/plain")
-            elif path == "/readyz":
-                ok, problems = readiness(self.metrics)
-                body = json.dumps({"ready": ok, "problems": problems}).encode()
-                self._send(200 if ok else 503, body, "application/json")
-            elif path in ("/", "/dashboard"):
-                self._file(STATIC / "dashboard.html")
-            elif path == "/api/dashboard":
-                self._send(200, json.dumps(self.metrics.dashboard()).encode(), "application/json")
-            elif path.startswith("/static/"):
-                target = (STATIC / path[len("/static/") :]).resolve()
-                if STATIC.resolve() not in target.parents:
-                    self._send(404, b"not found\n", "text/plain")
-                else:
-                    self._file(target)
-            else:
-                self._send(404, b"not found\n", "text/plain")
-        except BrokenPipeError:
-            pass
-        except Exception:
-            log.exception("http %s", path)
-            self._send(500, b"internal error\n", "text/plain")
+            await self.app(scope, limited, send)
+        except _BodyTooLarge:
+            await _too_large(self.limit)(scope, receive, send)
 
-    def _file(self, p: Path) -> None:
-        if not p.is_file():
-            self._send(404, b"not found\n", "text/plain")
-            return
-        self._send(200, p.read_bytes(), TYPES.get(p.suffix, "application/octet-stream"))
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return openai_api.error_response(413, f"request body over {limit} bytes")
+
+
+def build_app(metrics: Metrics, keys: dict[str, str] | None = None) -> FastAPI:
+    app = FastAPI(title="hcache", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.metrics = metrics
+    app.state.keys = keys
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return openai_api.validation_error(exc)
+
+    async def known(request: Request, exc: Exception) -> JSONResponse:
+        return openai_api.error_of(exc)
+
+    for kind in (openai_api.ApiError, EngineError, StorageError):  # errors with a status of their own
+        app.add_exception_handler(kind, known)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        return openai_api.error_of(exc)  # logged there; starlette logs it again and re-raises
+
+    @app.middleware("http")
+    async def count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        response = await call_next(request)
+        route = request.scope.get("route")
+        metrics.requests.labels(f"HTTP {getattr(route, 'path', 'unknown')}", str(response.status_code)).inc()
+        response.headers.setdefault("Cache-Control", "no-store")
+        return response
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/healthz")
+    def healthz() -> PlainTextResponse:
+        return PlainTextResponse("ok\n")
+
+    @app.get("/readyz")
+    def readyz() -> JSONResponse:
+        ok, problems = readiness(metrics)
+        return JSONResponse({"ready": ok, "problems": problems}, status_code=200 if ok else 503)
+
+    @app.get("/")
+    @app.get("/dashboard")
+    def dashboard() -> FileResponse:
+        return FileResponse(STATIC / "dashboard.html")
+
+    @app.get("/api/dashboard")
+    def dashboard_feed() -> JSONResponse:
+        return JSONResponse(metrics.dashboard())
+
+    @app.get("/static/{path:path}")
+    def static(path: str) -> Response:
+        target = (STATIC / path).resolve()
+        if STATIC.resolve() not in target.parents or not target.is_file():
+            return PlainTextResponse("not found\n", status_code=404)
+        return FileResponse(target)
+
+    app.include_router(openai_api.router)
+    return app
 
 
 class SidePort:
-    def __init__(self, metrics: Metrics, host: str, port: int):
-        handler = type("Handler", (_Handler,), {"metrics": metrics})
-        self.server = ThreadingHTTPServer((host, port), handler)
-        self.server.daemon_threads = True
-        self.port = self.server.server_address[1]
+    """uvicorn serving the app on its own thread and event loop."""
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        host: str,
+        port: int,
+        keys: dict[str, str] | None = None,
+        tls: tuple[str, str] | None = None,
+    ):
         self.metrics = metrics
+        app = BodyLimit(build_app(metrics, keys), MAX_BODY_BYTES)
+        cert, key = tls or (None, None)
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            ssl_certfile=cert,
+            ssl_keyfile=key,
+            timeout_graceful_shutdown=2,
+        )
+        self.server = uvicorn.Server(config)
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="hcache-http", daemon=True)
+        self._thread.start()
+        while not self.server.started and self._thread.is_alive():
+            self._thread.join(0.01)
+        if not self.server.started:
+            err = self._failed
+            raise OSError(getattr(err, "errno", None), getattr(err, "strerror", None) or str(err or "did not start"))
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
         self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self.server.serve_forever, name="hcache-http", daemon=True),
-            threading.Thread(target=self._sample, name="hcache-rates", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._sampler = threading.Thread(target=self._sample, name="hcache-rates", daemon=True)
+        self._sampler.start()
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self.server.serve())
+        except BaseException as e:  # a port in use ends serve() with SystemExit
+            self._failed = e if isinstance(e, OSError) else OSError(str(e))
 
     def _sample(self) -> None:
         while not self._stop.wait(2.0):
@@ -109,5 +202,5 @@ class SidePort:
 
     def close(self) -> None:
         self._stop.set()
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.should_exit = True
+        self._thread.join(5)
