@@ -63,6 +63,8 @@ class Result:
     errors: list[str] = field(default_factory=list)
     sessions_done: int = 0
     wall_s: float = 0.0
+    prompt_tokens: int = 0  # after each session's first turn (OpenAI runs)
+    cached_tokens: int = 0
 
 
 def make_trace(args: argparse.Namespace) -> list[SessionPlan]:
@@ -88,12 +90,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, method: str, root: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+def start_server(args: argparse.Namespace, method: str, root: Path) -> tuple[subprocess.Popen, str, str]:
+    """The server, its gRPC target and its OpenAI base URL."""
+    port, http = _free_port(), _free_port()
     dirs = [root / f"d{i}" for i in range(args.dirs)]
     cmd = [sys.executable, "-m", "hcache.cli", "serve", "--port", str(port), "--dtype", args.dtype]
     cmd += ["--dirs", *map(str, dirs), "--kv-budget-mb", str(args.budget_mb), "--restore-method", method]
-    cmd += ["--store-kinds", "auto", "--http-port", "0"] + (["--profile", args.profile] if args.profile else [])
+    cmd += ["--store-kinds", "auto", "--http-port", str(http)] + (["--profile", args.profile] if args.profile else [])
     log = open(root / "server.log", "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     target = f"127.0.0.1:{port}"
@@ -101,7 +104,7 @@ def start_server(args: argparse.Namespace, method: str, root: Path) -> tuple[sub
         wait_for_server(target, timeout=600, alive=lambda: proc.poll() is None)
     except RuntimeError:
         raise RuntimeError(f"server did not start; see {root / 'server.log'}") from None
-    return proc, target
+    return proc, target, f"http://127.0.0.1:{http}/v1"
 
 
 def run_trace(target: str, trace: list[SessionPlan], seed: int) -> Result:
@@ -146,13 +149,76 @@ def run_trace(target: str, trace: list[SessionPlan], seed: int) -> Result:
     return res
 
 
+def run_trace_openai(base_url: str, trace: list[SessionPlan], seed: int) -> Result:
+    """The same trace through `/v1/chat/completions` with openai-python, streamed, each turn
+    resending the whole conversation and naming its session as a client pins it."""
+    import openai
+
+    res = Result()
+    lock = threading.Lock()
+    t0 = time.perf_counter()
+
+    def one(plan: SessionPlan) -> None:
+        time.sleep(max(0.0, plan.arrival_s - (time.perf_counter() - t0)))
+        c = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+        msgs: list[dict] = [{"role": "system", "content": "You are a helpful assistant."}]
+        sid = None
+        try:
+            for i, (turn, think) in enumerate(zip(plan.turns, plan.think_s, strict=True)):
+                msgs.append({"role": "user", "content": turn.message})
+                start = time.perf_counter()
+                stamps, parts, usage = [], [], None
+                stream = c.chat.completions.create(
+                    model="default",
+                    messages=msgs,
+                    max_tokens=turn.max_new,
+                    temperature=0,
+                    seed=seed,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"session_id": sid} if sid else None,
+                )
+                for ch in stream:
+                    sid = sid or ch.session_id
+                    if ch.usage:
+                        usage = ch.usage
+                    if ch.choices and ch.choices[0].delta.content:
+                        stamps.append(time.perf_counter())
+                        parts.append(ch.choices[0].delta.content)
+                assert usage is not None and stamps
+                msgs.append({"role": "assistant", "content": "".join(parts)})
+                with lock:
+                    res.turns += 1
+                    res.ttft_ms.append((stamps[0] - start) * 1e3)
+                    res.tbt_ms += [(b - a) * 1e3 for a, b in itertools.pairwise(stamps)]
+                    if i:
+                        res.prompt_tokens += usage.prompt_tokens
+                        res.cached_tokens += usage.prompt_tokens_details.cached_tokens
+                time.sleep(think)
+            with lock:
+                res.sessions_done += 1
+        except openai.APIError as e:
+            with lock:
+                res.errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in trace]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    res.wall_s = time.perf_counter() - t0
+    return res
+
+
 def _pct(xs: list[float], q: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def summarize(method: str, r: Result) -> dict:
+def summarize(method: str, r: Result, api: str = "grpc") -> dict:
     return {
         "method": method,
+        "api": api,
+        "cached_ratio": r.cached_tokens / r.prompt_tokens if r.prompt_tokens else None,
         "turns": r.turns,
         "restored_turns": r.restored_turns,
         "errors": r.errors,
@@ -179,7 +245,8 @@ def plot(rows: list[dict], path: Path) -> None:
         for ax, key in zip(axes, ("ttft_ms", "tbt_ms"), strict=True):
             xs = sorted(row[key])
             if xs:
-                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=row["method"])
+                label = row["method"] if row.get("api", "grpc") == "grpc" else f"{row['method']} (OpenAI API)"
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
     for ax, title in zip(axes, ("TTFT", "time between tokens"), strict=True):
         ax.set_xscale("log")
         ax.set_xlabel("ms")
@@ -209,42 +276,58 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", default=None, help="where the stores go (default: a temp dir)")
     ap.add_argument("--profile", help="profile JSON for the server (default: measured once and cached)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--api",
+        default="grpc",
+        choices=["grpc", "openai"],
+        help="openai: each method runs over gRPC and over /v1/chat/completions (full histories resent)",
+    )
     ap.add_argument("--out", default="bench/results/serve.json")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     trace = make_trace(args)
     rows = []
-    for method in args.methods:
+    apis = ["grpc", "openai"] if args.api == "openai" else ["grpc"]
+    for method, api in itertools.product(args.methods, apis):
         root = Path(
             tempfile.mkdtemp(prefix=f"hcache-serve-{method}-", dir=ensure_dirs([args.root])[0] if args.root else None)
         )
-        proc, target = start_server(args, method, root)
+        proc, target, base_url = start_server(args, method, root)
         try:
-            print(f"{method}: {len(trace)} sessions, {sum(len(p.turns) for p in trace)} turns ...", flush=True)
-            rows.append(summarize(method, run_trace(target, trace, args.seed)))
+            n = sum(len(p.turns) for p in trace)
+            print(f"{method} over {api}: {len(trace)} sessions, {n} turns ...", flush=True)
+            res = run_trace(target, trace, args.seed) if api == "grpc" else run_trace_openai(base_url, trace, args.seed)
+            rows.append(summarize(method, res, api))
         finally:
             proc.terminate()
             proc.wait(timeout=120)
             shutil.rmtree(root, ignore_errors=True)
-    base = next((r for r in rows if r["method"] == "auto"), rows[0])
+    base = next((r for r in rows if r["method"] == "auto" and r["api"] == "grpc"), rows[0])
     for r in rows:
         r["ttft_p50_vs_auto"] = r["ttft_p50_ms"] / base["ttft_p50_ms"]
+        grpc_row = next(g for g in rows if g["method"] == r["method"] and g["api"] == "grpc")
+        r["ttft_p50_vs_grpc"] = r["ttft_p50_ms"] / grpc_row["ttft_p50_ms"]
     png = Path(args.out).with_suffix(".png")
     png.parent.mkdir(parents=True, exist_ok=True)
     plot(rows, png)
     data = {"args": vars(args), "rows": rows, "plot": str(png)}
 
     def table() -> None:
-        hdr = f"{'method':10}{'turns':>6}{'restored':>9}{'TTFT p50':>10}{'p99':>9}{'TBT p50':>9}{'p99':>8}"
-        print(hdr + f"{'restore':>9}{'sess/s':>8}{'TTFT/auto':>10}{'errors':>7}")
+        hdr = f"{'method':10}{'api':>7}{'turns':>6}{'restored':>9}{'TTFT p50':>10}{'p99':>9}{'TBT p50':>9}{'p99':>8}"
+        print(hdr + f"{'restore':>9}{'sess/s':>8}{'TTFT/auto':>10}{'/gRPC':>7}{'cached':>8}{'errors':>7}")
         for r in rows:
-            rest = r["restore_median_ms"]
+            rest, cached = r["restore_median_ms"], r["cached_ratio"]
+            restored = r["restored_turns"] if r["api"] == "grpc" else "-"
             print(
-                f"{r['method']:10}{r['turns']:>6}{r['restored_turns']:>9}{r['ttft_p50_ms']:>10.0f}"
+                f"{r['method']:10}{r['api']:>7}{r['turns']:>6}{restored:>9}{r['ttft_p50_ms']:>10.0f}"
                 f"{r['ttft_p99_ms']:>9.0f}{r['tbt_p50_ms']:>9.0f}{r['tbt_p99_ms']:>8.0f}"
                 f"{(f'{rest:.0f}' if rest else '-'):>9}{r['sessions_per_s']:>8.3f}{r['ttft_p50_vs_auto']:>10.2f}"
+                f"{r['ttft_p50_vs_grpc']:>7.2f}{(f'{cached:.1%}' if cached is not None else '-'):>8}"
                 f"{len(r['errors']):>7}"
             )
-        print(f"(ms; restore = the server's median restore time of restored turns; plot {png})")
+        print(
+            "(ms; restore = the server's median restore time of restored turns; cached = prompt tokens served"
+            f" from stored state after each session's first turn (OpenAI usage); plot {png})"
+        )
 
     return report(data, args.out, args.json, table)
