@@ -235,7 +235,7 @@ class EngineConfig:
 class ServerConfig:
     host: str = setting("127.0.0.1", "address the gRPC and HTTP ports listen on")
     port: int = setting(50051, "gRPC port")
-    http_port: int = setting(8000, "metrics, health and dashboard (-1: off; 0: any free port)")
+    http_port: int = setting(8000, "OpenAI API, metrics, health and dashboard (-1: off; 0: any free port)")
     workers: int = setting(64, "gRPC handler threads (one per open stream)")
     max_message_bytes: int = setting(4 << 20, "largest request accepted", flag="--max-message-mb", unit=MB)
     drain_seconds: float = setting(30.0, "on SIGTERM, how long running turns may take to finish")
