@@ -92,8 +92,9 @@ class Placement:
         """Slots the quota still allows to be added to directory `d`'s slab files."""
         if not self.quota_bytes:
             return 1 << 40
-        allocated = sum(a.high * parse_slab(name)[2] for (dd, name), a in self.allocs.items() if dd == d)
-        return max(0, (self.quota_bytes - allocated) // shape.slot_bytes)
+        # free slots inside slab files are charged nothing: released ones are punched out of the
+        # file, and H and KV slabs would otherwise keep each other's holes from being used
+        return max(0, (self.quota_bytes - self.occupied(d)) // shape.slot_bytes)
 
     def release(self, d: int, slab: str, slot: int) -> None:
         if slot < 0:
@@ -170,16 +171,19 @@ class Placement:
     def release_layers(self, owner: str, drop: set[tuple[int, Kind]], layer_kinds: str) -> int:
         """The owner stops storing `drop` ((layer, kind) pairs) and stores `layer_kinds` from now
         on: one manifest transaction, then their slots and the extents reserved for them are
-        freed. Returns the bytes that became free."""
+        freed. The caller keeps the owner quiet meanwhile, so the transaction (an fsync) runs
+        outside the lock that placing chunks takes. Returns the bytes that became free."""
         with self.lock:
             idx = self.index[owner]
             rows = [r for layer, kind in drop for r in idx.get((layer, kind.value), {}).values()]
-            self.manifest.release_layers(owner, layer_kinds, rows)
+        self.manifest.release_layers(owner, layer_kinds, rows)
+        with self.lock:
             before = sum(self.occupied(d) for d in range(len(self.dirs)))
             for layer, kind in drop:
                 idx.pop((layer, kind.value), None)
             for r in rows:
                 self.release(r.dir, r.slab, r.slot)
+                self.slab(r.dir, r.slab).punch(r.slot)
                 self.seqs.pop((r.owner, r.layer, r.idx, r.kind), None)
             for (_, name), alloc in self.allocs.items():
                 for layer, kind in drop:

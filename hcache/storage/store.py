@@ -25,6 +25,7 @@ from hcache.storage.capacity import Space, release_order
 from hcache.storage.errors import FingerprintMismatch, StorageError, StoreLocked
 from hcache.storage.flusher import DirWriter, FlushTail, Forget, Packer
 from hcache.storage.layout import (
+    CHUNK_TOKENS,
     ChunkShape,
     Kind,
     Stored,
@@ -32,6 +33,7 @@ from hcache.storage.layout import (
     chunk_shapes,
     decode_layer_kinds,
     encode_layer_kinds,
+    num_chunks,
 )
 from hcache.storage.manifest import OwnerRow, open_manifest
 from hcache.storage.placement import Placement
@@ -235,6 +237,14 @@ class ChunkStore:
             used += occupied
             capacity += quota or occupied + shutil.disk_usage(path).free
         return Space(capacity, used)
+
+    def bytes_for(self, owner: str, start: int, n: int) -> int:
+        """At most what saving `n` more rows of the owner from `start` takes: the chunks they
+        touch, and the copy-on-write tail's fresh slot, in every layer and kind it stores."""
+        if n <= 0:
+            return 0
+        per_chunk = sum(self.shapes[k].slot_bytes for ks in self.layer_kinds(self.owner_row(owner)) for k in ks)
+        return (num_chunks(start % CHUNK_TOKENS + n) + 1) * per_chunk
 
     def release(self, owner: str, nbytes: int) -> int:
         """Give up the owner's stored layers, in `release_order`, until at least `nbytes` are
