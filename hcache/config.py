@@ -154,6 +154,7 @@ def hcache_home() -> Path:
 
 
 MB = 1 << 20
+GB = 1 << 30
 
 
 def setting(
@@ -204,6 +205,11 @@ class StorageConfig:
         16 << 20, "bytes written per directory between fsyncs", flag="--fsync-group-mb", unit=MB
     )
     read_cap_gbps: float = setting(0.0, "restore reads capped by a token bucket, in GB/s (0: no cap)")
+    max_bytes: int = setting(
+        0, "all directories together, split evenly over them (0: only --quota-mb)", flag="--store-max-gb", unit=GB
+    )
+    low_watermark: float = setting(0.1, "free fraction of the capacity under which idle sessions' chunks are released")
+    high_watermark: float = setting(0.2, "free fraction the releases bring the store back to")
 
 
 @dataclass
@@ -223,6 +229,9 @@ class EngineConfig:
     max_sessions_per_tenant: int = setting(0, "sessions per API key (0: no limit)", flag="--max-sessions-per-key")
     max_storage_bytes_per_tenant: int = setting(
         0, "stored state per API key (0: no limit)", flag="--max-storage-mb-per-key", unit=MB
+    )
+    session_ttl_s: float = setting(
+        0.0, "delete sessions idle longer than this many seconds, records included (0: keep)", flag="--session-ttl"
     )
     restore_method: str = setting(
         "auto",

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import Field, fields, is_dataclass
 from typing import Any, get_origin, get_type_hints
 
-from hcache.config import MB, Config
+from hcache.config import GB, MB, Config
 
 SECTIONS = ("storage", "engine", "server")
 PREFIX = "cfg."  # the namespace's config values, apart from a subcommand's other flags
@@ -59,7 +59,7 @@ def _add(p: Any, f: Field, typ: Any, default: Any, dest: str) -> None:
     elif meta["choices"]:
         p.add_argument(name, *aliases, dest=dest, choices=meta["choices"], default=default, help=_help(doc, default))
     else:
-        metavar = "MB" if unit == MB else {int: "N", float: "NUM"}.get(typ, name.rpartition("-")[2].upper())
+        metavar = {MB: "MB", GB: "GB"}.get(unit) or {int: "N", float: "NUM"}.get(typ, name.rpartition("-")[2].upper())
         shown = f"{default / unit:g}" if unit != 1 else repr(default) if default == "" else default
         typ = _in_unit(typ, unit)
         p.add_argument(name, *aliases, dest=dest, type=typ, default=default, metavar=metavar, help=_help(doc, shown))
@@ -74,7 +74,7 @@ def _in_unit(typ: type, unit: int) -> Callable[[str], Any]:
         return typ
 
     def parse(text: str) -> Any:
-        return typ(text) * unit
+        return typ(float(text) * unit) if typ is int and unit >= GB else typ(text) * unit
 
     parse.__name__ = typ.__name__  # argparse names the type in "invalid int value"
     return parse

@@ -199,8 +199,37 @@ def render(results: Path, bench_dir: Path) -> str:
     ):
         if (results / f"{name}.json").exists():
             lines += [f"## {title}", "", f"Raw results: `bench/results/{name}.json`.", ""]
+    cap = _load(results, "serve_capacity")
+    if cap is not None:
+        lines += _capacity(cap)
     lines += ["## Commands", "", "```", COMMANDS.rstrip(), "```", ""]
     return "\n".join(lines)
+
+
+def _capacity(data: dict) -> list[str]:
+    """The serving trace on an unlimited store and on one a fraction of its state."""
+    rows = data["rows"]
+    base = rows[0]
+    out = [
+        "## Serving trace under a store quota",
+        "",
+        f"`{data.get('command', 'hcache bench serve')}` on {data.get('cpu', 'an unnamed CPU')}: the trace once on an "
+        "unlimited store, then on a store whose capacity is the fraction shown of what the first run stored. "
+        "TTFT is client-side, medians and p99 of every turn; restores by kind count restored turns that read "
+        "stored chunks (local) or recomputed every layer (RE). Ratios are against the first row, same run.",
+        "",
+        "| run | store capacity | turns | errors | TTFT p50 ms | TTFT p99 ms | p50 ratio | restores local | "
+        "restores RE | released MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cap = f"{r['store_max_bytes'] / 1e6:.0f} MB" if r.get("store_max_bytes") else "unlimited"
+        out.append(
+            f"| {r['method']} | {cap} | {r['turns']} | {len(r['errors'])} | {_fmt(r['ttft_p50_ms'])} | "
+            f"{_fmt(r['ttft_p99_ms'])} | {r['ttft_p50_ms'] / base['ttft_p50_ms']:.2f} | {r['restored_local']} | "
+            f"{r['restored_recompute']} | {_fmt(r.get('bytes_released', 0) / 1e6, 1)} |"
+        )
+    return [*out, "", "Raw results: `bench/results/serve_capacity.json`.", ""]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import os
 import random
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +62,8 @@ class Result:
     restore_ms: list[float] = field(default_factory=list)
     turns: int = 0
     restored_turns: int = 0
+    restored_local: int = 0  # restores that read stored chunks (any H or KV layer)
+    restored_recompute: int = 0  # restores that recomputed every layer
     errors: list[str] = field(default_factory=list)
     sessions_done: int = 0
     wall_s: float = 0.0
@@ -90,13 +94,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, method: str, root: Path) -> tuple[subprocess.Popen, str, str]:
-    """The server, its gRPC target and its OpenAI base URL."""
+def start_server(
+    args: argparse.Namespace, method: str, root: Path, store_bytes: int = 0
+) -> tuple[subprocess.Popen, str, int]:
+    """A server on fresh storage, its gRPC target and its HTTP port (OpenAI API, metrics);
+    `store_bytes` caps its store (0: unlimited)."""
     port, http = _free_port(), _free_port()
     dirs = [root / f"d{i}" for i in range(args.dirs)]
     cmd = [sys.executable, "-m", "hcache.cli", "serve", "--port", str(port), "--dtype", args.dtype]
     cmd += ["--dirs", *map(str, dirs), "--kv-budget-mb", str(args.budget_mb), "--restore-method", method]
     cmd += ["--store-kinds", "auto", "--http-port", str(http)] + (["--profile", args.profile] if args.profile else [])
+    if store_bytes:
+        cmd += ["--store-max-gb", f"{store_bytes / (1 << 30):.9f}"]
     log = open(root / "server.log", "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     target = f"127.0.0.1:{port}"
@@ -104,7 +113,13 @@ def start_server(args: argparse.Namespace, method: str, root: Path) -> tuple[sub
         wait_for_server(target, timeout=600, alive=lambda: proc.poll() is None)
     except RuntimeError:
         raise RuntimeError(f"server did not start; see {root / 'server.log'}") from None
-    return proc, target, f"http://127.0.0.1:{http}/v1"
+    return proc, target, http
+
+
+def store_totals(http: int) -> dict:
+    """The server's dashboard totals: what its store holds, its capacity, what it released."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{http}/api/dashboard", timeout=30) as r:
+        return json.load(r)["totals"]
 
 
 def run_trace(target: str, trace: list[SessionPlan], seed: int) -> Result:
@@ -133,6 +148,11 @@ def run_trace(target: str, trace: list[SessionPlan], seed: int) -> Result:
                         if last.stats.restore_ms:
                             res.restored_turns += 1
                             res.restore_ms.append(last.stats.restore_ms)
+                            plan = last.stats.plan
+                            if plan.hidden or plan.kv:
+                                res.restored_local += 1
+                            else:
+                                res.restored_recompute += 1
                     time.sleep(think)
                 with lock:
                     res.sessions_done += 1
@@ -210,6 +230,14 @@ def run_trace_openai(base_url: str, trace: list[SessionPlan], seed: int) -> Resu
     return res
 
 
+def cpu_name() -> str:
+    """`lscpu`'s model name, named beside every figure."""
+    for ln in Path("/proc/cpuinfo").read_text().splitlines():
+        if ln.startswith("model name"):
+            return ln.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
 def _pct(xs: list[float], q: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
@@ -221,6 +249,8 @@ def summarize(method: str, r: Result, api: str = "grpc") -> dict:
         "cached_ratio": r.cached_tokens / r.prompt_tokens if r.prompt_tokens else None,
         "turns": r.turns,
         "restored_turns": r.restored_turns,
+        "restored_local": r.restored_local,
+        "restored_recompute": r.restored_recompute,
         "errors": r.errors,
         "ttft_p50_ms": _pct(r.ttft_ms, 0.5),
         "ttft_p99_ms": _pct(r.ttft_ms, 0.99),
@@ -275,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dirs", type=int, default=2, help="storage directories (under --root)")
     ap.add_argument("--root", default=None, help="where the stores go (default: a temp dir)")
     ap.add_argument("--profile", help="profile JSON for the server (default: measured once and cached)")
+    ap.add_argument(
+        "--store-fraction",
+        type=float,
+        default=0.0,
+        help="also run auto on a store this fraction of what the first run stored (0: not)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--api",
@@ -288,16 +324,32 @@ def main(argv: list[str] | None = None) -> int:
     trace = make_trace(args)
     rows = []
     apis = ["grpc", "openai"] if args.api == "openai" else ["grpc"]
-    for method, api in itertools.product(args.methods, apis):
+    runs = [(m, m, 0.0, api) for m in args.methods for api in apis]
+    if args.store_fraction:
+        runs.append((f"auto@{args.store_fraction:g}", "auto", args.store_fraction, "grpc"))
+    state_bytes = 0
+    for label, method, fraction, api in runs:
         root = Path(
             tempfile.mkdtemp(prefix=f"hcache-serve-{method}-", dir=ensure_dirs([args.root])[0] if args.root else None)
         )
-        proc, target, base_url = start_server(args, method, root)
+        store_bytes = int(state_bytes * fraction)
+        proc, target, http = start_server(args, method, root, store_bytes)
         try:
-            n = sum(len(p.turns) for p in trace)
-            print(f"{method} over {api}: {len(trace)} sessions, {n} turns ...", flush=True)
-            res = run_trace(target, trace, args.seed) if api == "grpc" else run_trace_openai(base_url, trace, args.seed)
-            rows.append(summarize(method, res, api))
+            print(
+                f"{label} over {api}: {len(trace)} sessions, {sum(len(p.turns) for p in trace)} turns ...", flush=True
+            )
+            if api == "grpc":
+                res = run_trace(target, trace, args.seed)
+            else:
+                res = run_trace_openai(f"http://127.0.0.1:{http}/v1", trace, args.seed)
+            row = summarize(label, res, api)
+            totals = store_totals(http)
+            state_bytes = state_bytes or totals["store_occupied_bytes"]  # the first run's, unlimited
+            row["store_max_bytes"] = store_bytes
+            row["store_occupied_bytes"] = totals["store_occupied_bytes"]
+            row["bytes_released"] = totals["bytes_released"]
+            row["demotions"] = totals["demotions"]
+            rows.append(row)
         finally:
             proc.terminate()
             proc.wait(timeout=120)
@@ -310,24 +362,31 @@ def main(argv: list[str] | None = None) -> int:
     png = Path(args.out).with_suffix(".png")
     png.parent.mkdir(parents=True, exist_ok=True)
     plot(rows, png)
-    data = {"args": vars(args), "rows": rows, "plot": str(png)}
+    data = {"args": vars(args), "cpu": cpu_name(), "rows": rows, "plot": str(png)}
 
     def table() -> None:
         hdr = f"{'method':10}{'api':>7}{'turns':>6}{'restored':>9}{'TTFT p50':>10}{'p99':>9}{'TBT p50':>9}{'p99':>8}"
-        print(hdr + f"{'restore':>9}{'sess/s':>8}{'TTFT/auto':>10}{'/gRPC':>7}{'cached':>8}{'errors':>7}")
+        hdr += f"{'restore':>9}{'local':>6}{'RE':>4}{'store MB':>9}{'sess/s':>8}{'TTFT/auto':>10}{'/gRPC':>7}"
+        print(hdr + f"{'cached':>8}{'errors':>7}")
         for r in rows:
             rest, cached = r["restore_median_ms"], r["cached_ratio"]
-            restored = r["restored_turns"] if r["api"] == "grpc" else "-"
+            grpc = r["api"] == "grpc"  # restores are counted from gRPC's turn stats
+            restored, local, re_ = (
+                r[k] if grpc else "-" for k in ("restored_turns", "restored_local", "restored_recompute")
+            )
+            cap = f"{r['store_max_bytes'] / 1e6:.0f}" if r["store_max_bytes"] else "-"
             print(
                 f"{r['method']:10}{r['api']:>7}{r['turns']:>6}{restored:>9}{r['ttft_p50_ms']:>10.0f}"
                 f"{r['ttft_p99_ms']:>9.0f}{r['tbt_p50_ms']:>9.0f}{r['tbt_p99_ms']:>8.0f}"
-                f"{(f'{rest:.0f}' if rest else '-'):>9}{r['sessions_per_s']:>8.3f}{r['ttft_p50_vs_auto']:>10.2f}"
-                f"{r['ttft_p50_vs_grpc']:>7.2f}{(f'{cached:.1%}' if cached is not None else '-'):>8}"
-                f"{len(r['errors']):>7}"
+                f"{(f'{rest:.0f}' if rest else '-'):>9}{local:>6}{re_:>4}{cap:>9}"
+                f"{r['sessions_per_s']:>8.3f}{r['ttft_p50_vs_auto']:>10.2f}{r['ttft_p50_vs_grpc']:>7.2f}"
+                f"{(f'{cached:.1%}' if cached is not None else '-'):>8}{len(r['errors']):>7}"
             )
+        print(f"CPU: {data['cpu']}, {os.cpu_count()} cores")
         print(
-            "(ms; restore = the server's median restore time of restored turns; cached = prompt tokens served"
-            f" from stored state after each session's first turn (OpenAI usage); plot {png})"
+            "(ms; restore = the server's median restore time of restored turns; local / RE = restores that"
+            " read stored chunks / recomputed every layer; store MB = the capacity, - unlimited; cached ="
+            f" prompt tokens served from stored state after each session's first turn (OpenAI usage); plot {png})"
         )
 
     return report(data, args.out, args.json, table)

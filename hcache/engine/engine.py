@@ -22,6 +22,7 @@ from hcache.engine.block_pool import BlockPool
 from hcache.engine.errors import EngineError, FailedPrecondition, InvalidArgument, Unavailable
 from hcache.engine.finisher import Finisher
 from hcache.engine.generate import common_prefix
+from hcache.engine.reclaimer import Reclaimer
 from hcache.engine.records import Counters, EngineSnapshot, RestoreResult, SessionRow, StorageState
 from hcache.engine.runner import Runner
 from hcache.engine.sampler import SamplingParams
@@ -39,6 +40,7 @@ from hcache.storage.store import ChunkStore
 
 log = logging.getLogger(__name__)
 RECENT_SESSIONS = 200  # rows of the dashboard's session table
+ROOM_WAIT_S = 5.0  # a turn waits this long for the reclaimer to free store space, then tries anyway
 INTERNAL = "internal error in the engine; see the server log"
 
 
@@ -71,7 +73,11 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.registry.sessions, self.cfg.max_batch, self.counters)
         self.runner = Runner(model, store, self.cfg)
         self._wake = threading.Event()
-        self.finisher = Finisher(store, self.scheduler, self.lock, tokenizer.decode, self._wake.set)
+        self.finisher = Finisher(store, self.scheduler, self.lock, tokenizer.decode, self._turn_ended)
+        self.settled = threading.Condition(self.lock)  # a session the reclaimer held is free again
+        self.reclaimer = Reclaimer(
+            store, self.registry, self.lock, self.settled, self.cfg, self.counters, self._evict, self._wake.set
+        )
         self.draining = False
         self._stop = False
         self._threads = omp.compute_threads()
@@ -138,7 +144,7 @@ class Engine:
         checks.sampling(params, stops, cap)
         checks.exactly_one(message, token_ids, "a turn is a non-empty message or a list of token_ids (exactly one)")
         with self.lock:
-            s = self.registry.get(session_id, tenant=tenant)
+            s = self._settle(session_id, tenant)
             checks.usable(s)
             mode = "chat" if message else "tokens"
             if s.mode and s.mode != mode:
@@ -167,7 +173,7 @@ class Engine:
         """Make the session resident (again, from storage, when a method is forced)."""
         self._check_open()
         with self.lock:
-            s = self.registry.get(session_id, tenant=tenant)
+            s = self._settle(session_id, tenant)
             checks.usable(s)
             if s.resident and method is None:
                 return RestoreResult(already_resident=True, num_tokens=len(s.tokens))
@@ -184,7 +190,7 @@ class Engine:
 
     def evict(self, session_id: str, tenant: str | None = None) -> Session:
         with self.lock:
-            s = self.registry.get(session_id, tenant=tenant)
+            s = self._settle(session_id, tenant)
             checks.not_busy(s)
             self.scheduler.evict(s)
             return s
@@ -194,7 +200,7 @@ class Engine:
         with self.lock:
             s = self.registry.sessions.get(session_id)
             kind = s.kind if s is not None else "session"
-            s = self.registry.get(session_id, kind, tenant)  # NotFound for unknown ids and other tenants
+            s = self._settle(session_id, tenant, kind)  # NotFound for unknown ids and other tenants
             checks.not_busy(s)
             self.scheduler.evict(s)
             self.registry.delete(s)
@@ -234,6 +240,7 @@ class Engine:
         return False
 
     def close(self) -> None:
+        self.reclaimer.close()
         self._stop = True
         self._wake.set()
         self._thread.join()
@@ -266,6 +273,24 @@ class Engine:
     def _check_open(self) -> None:
         if self.draining:
             raise Unavailable("the server is draining; retry on another instance")
+
+    def _settle(self, session_id: str, tenant: str | None, kind: str = "session") -> Session:
+        """The session, once the reclaimer is done with it and its context (a release takes
+        a few milliseconds). Called under the lock; it may be gone afterwards (expired)."""
+        while True:
+            s = self.registry.get(session_id, kind, tenant)
+            parent = self.registry.sessions.get(s.parent) if s.parent else None
+            if not (s.releasing or (parent is not None and parent.releasing)):
+                return s
+            self.settled.wait()
+
+    def _evict(self, s: Session) -> None:
+        self.scheduler.evict(s)
+
+    def _turn_ended(self) -> None:
+        """A turn became durable: the loop may admit more, and the store has grown."""
+        self._wake.set()
+        self.reclaimer.wake.set()
 
     def _check_storage(self, tenant: str | None, more_tokens: int) -> None:
         owners, limit = self.registry.sessions.values(), self.cfg.max_storage_bytes_per_tenant
@@ -322,10 +347,14 @@ class Engine:
     def _admit(self) -> bool:
         worked = False
         for seq, refused in self.scheduler.admit():
-            worked = True
             if refused is not None:
+                worked = True
                 self.finisher.fail(seq, refused)
                 continue
+            if not self._store_has_room(seq):
+                self.scheduler.waiting.appendleft(seq)  # no blocks taken yet: it keeps its place
+                return worked
+            worked = True
             try:
                 self._start(seq)
             except EngineError as e:
@@ -336,6 +365,22 @@ class Engine:
                 log.exception("starting a turn of %s failed", seq.session.id)
                 self.finisher.fail(seq, EngineError(INTERNAL))
         return worked
+
+    def _store_has_room(self, seq: Sequence) -> bool:
+        """Whether the store has room for what the turn will save. When it has not, the
+        reclaimer is asked to free it and the turn waits (at most ROOM_WAIT_S: when nothing
+        idle is left to release, the turn runs and a full store refuses it as before)."""
+        s = seq.session
+        n = len(seq.new_tokens) + (seq.params.max_new_tokens if seq.sample else 0)
+        need = self.store.bytes_for(s.id, seq.keep - s.base, n)
+        if need == 0 or self.store.space().free >= need:
+            return True
+        now = time.monotonic()
+        seq.t_room = seq.t_room or now
+        if now - seq.t_room > ROOM_WAIT_S:
+            return True
+        self.reclaimer.want(need)
+        return False
 
     def _start(self, seq: Sequence) -> None:
         s = seq.session

@@ -24,6 +24,7 @@ class Counters:
     restores: int = 0
     fallback_layers: int = 0
     generated_tokens: int = 0
+    expiries: int = 0  # sessions deleted for being idle longer than the TTL
 
 
 @dataclass(frozen=True)
@@ -122,10 +123,15 @@ class StorageState:
     ring_used_bytes: int
     ring_capacity_bytes: int
     ring_waits: int  # times a full staging ring blocked a producer
+    capacity_bytes: int  # what the store may hold (quotas, or the filesystems' room)
+    occupied_bytes: int  # slots in use or reserved
+    bytes_released: int  # chunks given up by the capacity policy
+    demotions: int  # releases: an idle session or context gave up some of its layers
 
     @classmethod
     def of(cls, store: ChunkStore) -> StorageState:
         st, ring = store.stats, store.ring
+        space = store.space()
         return cls(
             st.checksum_failures,
             st.bytes_read,
@@ -134,6 +140,10 @@ class StorageState:
             ring.used_bytes(),
             ring.capacity,
             ring.waits,
+            space.capacity,
+            space.used,
+            st.bytes_released,
+            st.demotions,
         )
 
 

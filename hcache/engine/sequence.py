@@ -45,6 +45,7 @@ class Session:
     updated: float = field(default_factory=time.time)
     cache: PagedCache | None = None  # resident KV
     busy: bool = False
+    releasing: bool = False  # the reclaimer is giving up its chunks or expiring it
     last_used: float = field(default_factory=time.monotonic)
     last_plan: Plan | None = None
     last_restore_ms: float = 0.0
@@ -181,6 +182,7 @@ class Sequence:
     predicted_ms: float | None = None
     t_submit: float = field(default_factory=time.perf_counter)
     t_start: float = 0.0
+    t_room: float = 0.0  # when it first waited for store space (0: never)
     t_first: float = 0.0
     t_last: float = 0.0
     tbt_ms: list[float] = field(default_factory=list)

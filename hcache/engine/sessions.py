@@ -5,6 +5,7 @@ then its own), and the restore plan for what it stored."""
 from __future__ import annotations
 
 import secrets
+import time
 
 import torch
 
@@ -64,6 +65,10 @@ class Registry:
         """Another tenant's session is as unknown as a missing one."""
         s = self.sessions.get(sid)
         if s is None or s.kind != kind or (tenant is not None and s.tenant != tenant):
+            gone = self.store.expired(sid) if s is None and kind == "session" else None
+            if gone is not None and (tenant is None or gone[0] == tenant):
+                when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(gone[1]))
+                raise NotFound(f"session {sid[:64]!r} expired: it was idle past the session TTL and deleted at {when}")
             raise NotFound(f"{kind} {sid[:64]!r} not found")
         return s
 

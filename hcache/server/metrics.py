@@ -167,6 +167,11 @@ class Metrics(Telemetry):
                 "evictions": c.evictions,
                 "fallback_layers": c.fallback_layers,
                 "checksum_failures": snap.storage.checksum_failures,
+                "store_capacity_bytes": snap.storage.capacity_bytes,
+                "store_occupied_bytes": snap.storage.occupied_bytes,
+                "bytes_released": snap.storage.bytes_released,
+                "demotions": snap.storage.demotions,
+                "expiries": c.expiries,
                 "generated_tokens": c.generated_tokens,
                 "queue_depth": snap.queue.by_phase(),
             },
@@ -189,6 +194,21 @@ class _StateCollector(Collector):
         yield CounterMetricFamily("hcache_evictions", "Sessions whose KV left memory", c.evictions)
         yield CounterMetricFamily("hcache_restores", "Restores", c.restores)
         yield CounterMetricFamily("hcache_generated_tokens", "Tokens generated", c.generated_tokens)
+        yield CounterMetricFamily(
+            "hcache_storage_released_bytes",
+            "Chunk bytes idle sessions gave up to keep the store under its capacity",
+            st.bytes_released,
+        )
+        yield CounterMetricFamily(
+            "hcache_sessions_demoted", "Releases: an idle session or context gave up some of its layers", st.demotions
+        )
+        yield CounterMetricFamily("hcache_sessions_expired", "Sessions deleted for being idle past the TTL", c.expiries)
+        yield GaugeMetricFamily(
+            "hcache_storage_capacity_bytes", "What the store may hold, all directories", st.capacity_bytes
+        )
+        yield GaugeMetricFamily(
+            "hcache_storage_occupied_bytes", "Slots in use or reserved, all directories", st.occupied_bytes
+        )
         yield CounterMetricFamily("hcache_staging_producer_waits", "Times a full staging ring blocked", st.ring_waits)
         yield GaugeMetricFamily("hcache_staging_ring_used_bytes", "Staging ring occupancy", st.ring_used_bytes)
         yield GaugeMetricFamily("hcache_staging_ring_capacity_bytes", "Staging ring size", st.ring_capacity_bytes)

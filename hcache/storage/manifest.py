@@ -42,6 +42,11 @@ CREATE TABLE IF NOT EXISTS chunks(
   PRIMARY KEY(owner, layer, idx, kind)
 ) WITHOUT ROWID;
 CREATE UNIQUE INDEX IF NOT EXISTS chunks_slot ON chunks(dir, slab, slot);
+CREATE TABLE IF NOT EXISTS expired(  -- owners deleted for being idle too long: asked for, they say so
+  owner TEXT PRIMARY KEY,
+  tenant TEXT,
+  at REAL NOT NULL
+);
 """
 
 
@@ -144,13 +149,35 @@ class Manifest:
                     (_pack(tokens), len(tokens), json.dumps(meta), time.time(), owner),
                 )
 
-    def delete_owner(self, owner: str) -> list[ChunkRow]:
+    def delete_owner(self, owner: str, expired: bool = False) -> list[ChunkRow]:
+        """Delete the owner and its chunk rows; `expired` leaves a tombstone in the same transaction."""
         with self.lock, self.db:
             self.db.execute("BEGIN IMMEDIATE")
             rows = self.db.execute("SELECT * FROM chunks WHERE owner=?", (owner,)).fetchall()
+            if expired:
+                r = self.db.execute("SELECT meta FROM owners WHERE owner=?", (owner,)).fetchone()
+                tenant = json.loads(r[0]).get("tenant") if r else None
+                self.db.execute("INSERT OR REPLACE INTO expired VALUES(?, ?, ?)", (owner, tenant, time.time()))
             self.db.execute("DELETE FROM chunks WHERE owner=?", (owner,))
             self.db.execute("DELETE FROM owners WHERE owner=?", (owner,))
         return [ChunkRow(*r) for r in rows]
+
+    def expired(self, owner: str) -> tuple[str | None, float] | None:
+        """(tenant, Unix time) of an owner deleted for being idle, or None."""
+        with self.lock:
+            r = self.db.execute("SELECT tenant, at FROM expired WHERE owner=?", (owner,)).fetchone()
+        return (r[0], r[1]) if r else None
+
+    def release_layers(self, owner: str, layer_kinds: str, rows: list[ChunkRow]) -> None:
+        """The owner now stores `layer_kinds`; `rows` (the chunks of what it no longer stores)
+        go in the same transaction, so a crash leaves either both or neither."""
+        with self.lock, self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            self.db.execute("UPDATE owners SET layer_kinds=? WHERE owner=?", (layer_kinds, owner))
+            self.db.executemany(
+                "DELETE FROM chunks WHERE owner=? AND layer=? AND idx=? AND kind=?",
+                [(r.owner, r.layer, r.idx, r.kind) for r in rows],
+            )
 
     # --- chunks ---------------------------------------------------------------
     def commit_chunks(self, rows: list[ChunkRow]) -> list[ChunkRow]:

@@ -92,14 +92,21 @@ class Placement:
         """Slots the quota still allows to be added to directory `d`'s slab files."""
         if not self.quota_bytes:
             return 1 << 40
-        allocated = sum(a.high * parse_slab(name)[2] for (dd, name), a in self.allocs.items() if dd == d)
-        return max(0, (self.quota_bytes - allocated) // shape.slot_bytes)
+        # free slots inside slab files are charged nothing: released ones are punched out of the
+        # file, and H and KV slabs would otherwise keep each other's holes from being used
+        return max(0, (self.quota_bytes - self.occupied(d)) // shape.slot_bytes)
 
     def release(self, d: int, slab: str, slot: int) -> None:
         if slot < 0:
             return
         with self.lock:
             self.allocs[(d, slab)].release(slot)
+
+    def occupied(self, d: int) -> int:
+        """Bytes of directory `d` that new chunks cannot take: slots in use or reserved ahead
+        for an owner's layer (free slots inside slab files are reused first)."""
+        with self.lock:
+            return sum((a.high - len(a.free)) * parse_slab(name)[2] for (dd, name), a in self.allocs.items() if dd == d)
 
     def dir_usage(self, d: int) -> tuple[int, int, int]:
         """Directory `d`'s bytes in committed chunks' slots, bytes of slab files, and chunks."""
@@ -150,18 +157,46 @@ class Placement:
             for key in [k for k in self.seqs if k[0] == owner]:
                 del self.seqs[key]
 
-    def drop_owner(self, owner: str) -> None:
+    def drop_owner(self, owner: str, expired: bool = False) -> None:
         """Delete the owner and its chunk rows from the manifest and free its slots."""
         with self.lock:
-            rows = self.manifest.delete_owner(owner)
+            rows = self.manifest.delete_owner(owner, expired)
             self.index.pop(owner, None)
             for r in rows:
                 self.release(r.dir, r.slab, r.slot)
-            for key, alloc in self.allocs.items():
+            for alloc in self.allocs.values():
                 alloc.drop_reservations(owner)
-                high = alloc.trim()
-                if high < self.slab(*key).num_slots:
-                    self.slab(*key).truncate(high)  # give trailing space back to the filesystem
+            self._trim()
+
+    def release_layers(self, owner: str, drop: set[tuple[int, Kind]], layer_kinds: str) -> int:
+        """The owner stops storing `drop` ((layer, kind) pairs) and stores `layer_kinds` from now
+        on: one manifest transaction, then their slots and the extents reserved for them are
+        freed. The caller keeps the owner quiet meanwhile, so the transaction (an fsync) runs
+        outside the lock that placing chunks takes. Returns the bytes that became free."""
+        with self.lock:
+            idx = self.index[owner]
+            rows = [r for layer, kind in drop for r in idx.get((layer, kind.value), {}).values()]
+        self.manifest.release_layers(owner, layer_kinds, rows)
+        with self.lock:
+            before = sum(self.occupied(d) for d in range(len(self.dirs)))
+            for layer, kind in drop:
+                idx.pop((layer, kind.value), None)
+            for r in rows:
+                self.release(r.dir, r.slab, r.slot)
+                self.slab(r.dir, r.slab).punch(r.slot)
+                self.seqs.pop((r.owner, r.layer, r.idx, r.kind), None)
+            for (_, name), alloc in self.allocs.items():
+                for layer, kind in drop:
+                    if parse_slab(name)[0] == kind:
+                        alloc.drop_reservations(owner, layer)
+            self._trim()
+            return before - sum(self.occupied(d) for d in range(len(self.dirs)))
+
+    def _trim(self) -> None:
+        for key, alloc in self.allocs.items():
+            high = alloc.trim()
+            if high < self.slab(*key).num_slots:
+                self.slab(*key).truncate(high)  # give trailing space back to the filesystem
 
     def close(self) -> None:
         for s in self.slabs.values():

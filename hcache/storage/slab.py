@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import logging
 import mmap
@@ -18,6 +20,11 @@ _warned_direct = False
 
 
 HUGE_PAGE = 2 << 20
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if ctypes.util.find_library("c") else None
+_fallocate = getattr(_libc, "fallocate", None)
+if _fallocate is not None:
+    _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 1024
 
 
@@ -107,6 +114,14 @@ class SlabFile:
             if n < sum(len(p) for p in group):
                 break
         return done
+
+    def punch(self, slot: int) -> None:
+        """Give a freed slot's blocks back to the filesystem (the file keeps its size), so a
+        store whose slabs have holes uses no more disk than its chunks. Best effort: where the
+        filesystem cannot, the slot stays allocated until it is reused or cut off."""
+        if _fallocate is not None:
+            mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+            _fallocate(self.fd, mode, slot * self.slot_bytes, self.slot_bytes)
 
     def sync(self) -> None:
         os.fdatasync(self.fd)
@@ -209,8 +224,9 @@ class SlotAllocator:
             self.high -= 1
         return self.high
 
-    def drop_reservations(self, owner: str) -> None:
-        for key in [k for k in self.reserved if k[0] == owner]:
+    def drop_reservations(self, owner: str, layer: int | None = None) -> None:
+        """Free the extents reserved for the owner's layers (only `layer`'s when given)."""
+        for key in [k for k in self.reserved if k[0] == owner and layer in (None, k[1])]:
             for s in self.reserved.pop(key):
                 bisect.insort(self.free, s)
             self.extent_len.pop(key, None)

@@ -18,6 +18,9 @@ class StoreStats:
     read_bytes_by_dir: list[int] = field(default_factory=list)
     read_buffers_allocated: int = 0  # fresh layer buffers (pinned on CUDA: slow to allocate)
     chunks_read_in_place: int = 0  # read straight into a layer buffer (the rest are copied from a bounce buffer)
+    bytes_released: int = 0  # chunks given up by the capacity policy
+    layers_released: int = 0  # (owner, layer, kind) triples given up
+    demotions: int = 0  # releases: an owner gave up some of its layers
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def count_read(self, nbytes: int, d: int, in_place: int = 0) -> None:
@@ -33,3 +36,9 @@ class StoreStats:
     def count_buffer_allocated(self) -> None:
         with self._lock:
             self.read_buffers_allocated += 1
+
+    def count_release(self, nbytes: int, layers: int) -> None:
+        with self._lock:
+            self.bytes_released += nbytes
+            self.layers_released += layers
+            self.demotions += 1

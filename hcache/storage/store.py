@@ -21,9 +21,11 @@ import torch
 
 from hcache.config import ModelConfig, StorageConfig
 from hcache.storage.buffers import LayerBuffers, chunk_pools
+from hcache.storage.capacity import Space, release_order
 from hcache.storage.errors import FingerprintMismatch, StorageError, StoreLocked
 from hcache.storage.flusher import DirWriter, FlushTail, Forget, Packer
 from hcache.storage.layout import (
+    CHUNK_TOKENS,
     ChunkShape,
     Kind,
     Stored,
@@ -31,6 +33,7 @@ from hcache.storage.layout import (
     chunk_shapes,
     decode_layer_kinds,
     encode_layer_kinds,
+    num_chunks,
 )
 from hcache.storage.manifest import OwnerRow, open_manifest
 from hcache.storage.placement import Placement
@@ -81,6 +84,7 @@ class ChunkStore:
         self.lock = threading.Lock()  # creating and deleting owners
         self.stats = StoreStats(read_bytes_by_dir=[0] * len(self.dirs))
         self.placement = Placement(self.dirs, self.manifest, self.shapes, cfg, self.stats)
+        self.placement.quota_bytes = self._dir_quota()
         self.chunk_buffers = chunk_pools(self.shapes)
         pinned = torch.device(device).type == "cuda" and torch.cuda.is_available()
         self.buffers = LayerBuffers(dtype, pinned, cfg.prefetch_bytes, cfg.prefetch_layers, self.stats)
@@ -205,11 +209,65 @@ class ChunkStore:
         self._forget(owner)
         self.manifest.set_tokens(owner, row.tokens[:n])
 
-    def delete(self, owner: str) -> None:
+    def delete(self, owner: str, expired: bool = False) -> None:
+        """Delete the owner, records included; `expired` (idle too long) leaves a tombstone
+        so that asking for it later says why it is gone."""
         self.owner_row(owner)
         self._forget(owner)
         with self.lock:
-            self.placement.drop_owner(owner)
+            self.placement.drop_owner(owner, expired)
+
+    def expired(self, owner: str) -> tuple[str | None, float] | None:
+        """(tenant, Unix time) when the owner was deleted for being idle, or None."""
+        return self.manifest.expired(owner)
+
+    # --- capacity ---------------------------------------------------------------
+    def _dir_quota(self) -> int:
+        """Each directory's quota: `quota_bytes`, and a total `max_bytes` split evenly."""
+        quotas = [q for q in (self.cfg.quota_bytes, self.cfg.max_bytes // len(self.dirs)) if q > 0]
+        return min(quotas, default=0)
+
+    def space(self) -> Space:
+        """Capacity and use over every directory (a directory without a quota: what its
+        filesystem still has free, plus what the store holds there)."""
+        capacity = used = 0
+        quota = self.placement.quota_bytes
+        for d, path in enumerate(self.dirs):
+            occupied = self.placement.occupied(d)
+            used += occupied
+            capacity += quota or occupied + shutil.disk_usage(path).free
+        return Space(capacity, used)
+
+    def bytes_for(self, owner: str, start: int, n: int) -> int:
+        """At most what saving `n` more rows of the owner from `start` takes: the chunks they
+        touch, and the copy-on-write tail's fresh slot, in every layer and kind it stores."""
+        if n <= 0:
+            return 0
+        per_chunk = sum(self.shapes[k].slot_bytes for ks in self.layer_kinds(self.owner_row(owner)) for k in ks)
+        return (num_chunks(start % CHUNK_TOKENS + n) + 1) * per_chunk
+
+    def release(self, owner: str, nbytes: int) -> int:
+        """Give up the owner's stored layers, in `release_order`, until at least `nbytes` are
+        free (or it stores nothing). Token ids and records stay: what is given up is restored
+        by recompute. The caller makes sure nothing reads or writes the owner meanwhile.
+        Returns the bytes freed."""
+        kinds = self.layer_kinds(self.owner_row(owner))
+        index = self.placement.chunk_index(owner)
+        drop: set[tuple[int, Kind]] = set()
+        estimate = 0
+        for layer, kind in release_order(kinds):
+            if estimate >= nbytes:
+                break
+            drop.add((layer, kind))
+            estimate += len(index.get((layer, kind.value), {})) * self.shapes[kind].slot_bytes
+        if not drop:
+            return 0
+        left = [ks - {k for la, k in drop if la == layer} for layer, ks in enumerate(kinds)]
+        with self.lock:
+            freed = self.placement.release_layers(owner, drop, encode_layer_kinds(left))
+        self._forget(owner)  # the packer's state of the owner still lists what it gave up
+        self.stats.count_release(freed, len(drop))
+        return freed
 
     def _forget(self, owner: str) -> None:
         """Wait for the owner's queued writes, then drop its packing state and write versions."""
@@ -262,7 +320,8 @@ class ChunkStore:
 
     def set_quota(self, nbytes: int) -> None:
         """Each directory's quota from now on (0: the filesystem's free space is the limit)."""
-        self.cfg.quota_bytes = self.placement.quota_bytes = nbytes
+        self.cfg.quota_bytes = nbytes
+        self.placement.quota_bytes = self._dir_quota()
 
     # --- accounting -------------------------------------------------------------
     def usage(self) -> list[DirUsage]:
@@ -271,7 +330,7 @@ class ChunkStore:
             used, slab_bytes, chunks = self.placement.dir_usage(d)
             free = shutil.disk_usage(path).free
             written = self.writers[d].bytes_written
-            out.append(DirUsage(str(path), used, slab_bytes, self.cfg.quota_bytes, free, chunks, written))
+            out.append(DirUsage(str(path), used, slab_bytes, self.placement.quota_bytes, free, chunks, written))
         return out
 
     def close(self) -> None:

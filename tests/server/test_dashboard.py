@@ -68,6 +68,11 @@ def test_metrics_health_readiness(live):
         "hcache_resident_sessions",
         "hcache_resident_bytes",
         "hcache_evictions_total",
+        "hcache_storage_released_bytes_total",
+        "hcache_sessions_demoted_total",
+        "hcache_sessions_expired_total",
+        "hcache_storage_capacity_bytes",
+        "hcache_storage_occupied_bytes",
         "hcache_ttft_seconds_bucket",
         "hcache_tbt_seconds_bucket",
         'hcache_queue_depth{phase="decode"}',
@@ -117,6 +122,8 @@ def test_dashboard_in_chromium(live):
         row = page.locator("#sessions tr", has=page.locator(f"code:text('{sid}')"))
         assert "RE " in row.inner_text() and "/ KV" in row.inner_text()
         assert page.locator("#storage tbody tr").count() == 2
+        assert " / " in page.locator('.tile[data-key="store"] b').inner_text()  # occupied / capacity
+        assert "demotions" in page.locator('.tile[data-key="released"] b').inner_text()
         assert page.locator("#mix canvas").count() == 1 and page.locator("#lat canvas").count() == 1
         # the mix chart names the mix the restore used, not the empty chart's placeholder
         page.wait_for_function(

@@ -46,7 +46,7 @@ def test_64_concurrent_sessions(default_model, tmp_path):
     prof = tmp_path / "profile.json"
     profile_for(default_model.model).save(prof)
     args = argparse.Namespace(dirs=2, dtype="float32", budget_mb=128, profile=str(prof))
-    proc, target = start_server(args, "auto", tmp_path)
+    proc, target, _ = start_server(args, "auto", tmp_path)
     try:
         ref = run_load(target, SESSIONS, TURNS, MAX_NEW, seed=7, concurrency=1)
         assert not ref["errors"]

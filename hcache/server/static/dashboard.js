@@ -51,6 +51,9 @@ function tiles(t) {
     ["restores", t.restores], ["evictions", t.evictions],
     ["fallback layers", t.fallback_layers, t.fallback_layers > 0],
     ["checksum failures", t.checksum_failures, t.checksum_failures > 0],
+    ["store", `${fmtBytes(t.store_occupied_bytes)} / ${fmtBytes(t.store_capacity_bytes)}`],
+    ["released", `${fmtBytes(t.bytes_released)} · ${t.demotions} demotions`],
+    ["expired sessions", t.expiries],
     ["tokens generated", t.generated_tokens],
     ["queue", Object.entries(t.queue_depth).map(([k, v]) => `${k} ${v}`).join(" · ")],
   ];

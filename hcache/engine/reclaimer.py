@@ -1,0 +1,134 @@
+"""The store's capacity, kept in the background: when free space falls below the low
+watermark, the chunks of the least recently used idle sessions are given up (the store's
+`release`, cheapest layers first) until it is back at the high watermark; with a TTL,
+sessions idle longer than that are deleted, records included. Nothing here runs on a
+turn's path: a session is picked under the engine's lock, marked `releasing` (a request
+for it waits, briefly, in `Engine._settle`) and released outside the lock."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from hcache.config import EngineConfig
+from hcache.engine.records import Counters
+from hcache.engine.sequence import Session
+from hcache.engine.sessions import Registry
+from hcache.storage.store import ChunkStore
+
+log = logging.getLogger(__name__)
+POLL_S = 0.5  # between checks when nothing wakes the reclaimer
+
+
+class Reclaimer:
+    def __init__(
+        self,
+        store: ChunkStore,
+        registry: Registry,
+        lock: threading.RLock,
+        settled: threading.Condition,
+        cfg: EngineConfig,
+        counters: Counters,
+        evict: Callable[[Session], None],
+        freed: Callable[[], None],
+    ):
+        self.store, self.registry, self.lock, self.settled = store, registry, lock, settled
+        self.cfg, self.counters, self.evict, self.freed = cfg, counters, evict, freed
+        self._wanted = 0  # free bytes a waiting turn asked for
+        self.wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="hcache-reclaimer", daemon=True)
+        self._thread.start()
+
+    def want(self, nbytes: int) -> None:
+        """A turn waits for `nbytes` of free space: release for it even above the low watermark."""
+        self._wanted = max(self._wanted, nbytes)
+        self.wake.set()
+
+    def close(self) -> None:
+        self._stop = True
+        self.wake.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                self.step()
+            except Exception:  # a failed pass is retried at the next; serving goes on
+                log.exception("reclaiming storage failed")
+            self.wake.wait(POLL_S)
+            self.wake.clear()
+
+    def step(self) -> None:
+        """One pass: expire, then release down to the high watermark."""
+        if self.cfg.session_ttl_s > 0:
+            self._expire()
+        cfg = self.store.cfg
+        space = self.store.space()
+        wanted, self._wanted = self._wanted, 0
+        need = max(space.to_release(cfg.low_watermark, cfg.high_watermark), wanted - space.free)
+        for s in self._victims() if need > 0 else ():
+            need -= self._release(s, need)
+            if need <= 0:
+                break
+        if wanted:
+            self.freed()
+
+    # --- retention ------------------------------------------------------------------
+    def _expire(self) -> None:
+        cutoff = time.time() - self.cfg.session_ttl_s
+        with self.lock:
+            old = [s for s in self.registry.sessions.values() if s.kind == "session" and s.updated < cutoff]
+        for s in old:
+            if not self._take(s, expiring=True):
+                continue
+            try:
+                self.store.delete(s.id, expired=True)
+                with self.lock:
+                    del self.registry.sessions[s.id]
+                    self.counters.expiries += 1
+                log.info("session %s expired (idle over %gs)", s.id, self.cfg.session_ttl_s)
+            finally:
+                self._give_back(s)
+
+    # --- capacity ---------------------------------------------------------------------
+    def _victims(self) -> Iterator[Session]:
+        """Idle sessions least recently used first; contexts that sessions use go last."""
+        with self.lock:
+            owners = list(self.registry.sessions.values())
+            used = {s.parent for s in owners if s.parent is not None}
+            order = sorted(owners, key=lambda s: (s.id in used, s.last_used))
+        yield from order
+
+    def _release(self, s: Session, need: int) -> int:
+        if not self._take(s):
+            return 0
+        try:
+            return self.store.release(s.id, need)
+        finally:
+            self._give_back(s)
+
+    def _take(self, s: Session, expiring: bool = False) -> bool:
+        """Mark `s` as being worked on, if nothing uses it: not resident, not busy, and for a
+        context, no session on it busy or being restored. Expiry takes resident sessions too
+        (their memory is freed with them)."""
+        with self.lock:
+            if self.registry.sessions.get(s.id) is not s or s.busy or s.releasing:
+                return False
+            if s.resident and not expiring:
+                return False
+            if expiring and s.updated >= time.time() - self.cfg.session_ttl_s:
+                return False  # a turn ended since it was listed
+            if any(o.parent == s.id and (o.busy or o.releasing) for o in self.registry.sessions.values()):
+                return False
+            if expiring:
+                self.evict(s)
+            s.releasing = True
+            return True
+
+    def _give_back(self, s: Session) -> None:
+        with self.lock:
+            s.releasing = False
+            self.settled.notify_all()

@@ -1,0 +1,131 @@
+"""The engine under a small store: cold sessions give back their chunks in the background
+and stay exact (restored by recompute or a mix), idle sessions expire with a TTL and say
+so, and a context a turn is using is never released."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from conftest import tload
+from engine_helpers import make_engine, reference, turn, word_tokenizer
+
+from hcache.engine.errors import NotFound
+from hcache.engine.sampler import SamplingParams
+from hcache.storage.fsck import fsck
+from hcache.storage.layout import CHUNK_TOKENS, num_chunks
+
+
+def rand_ids(rng: random.Random, n: int, vocab: int = 300) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+@pytest.fixture
+def model(tiny_folder):
+    return tload(tiny_folder("llama_gqa"))
+
+
+def test_small_store_serves_ten_times_its_capacity_exactly(model, tmp_path):
+    tok = word_tokenizer(model.cfg.vocab_size)
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    storage = {"max_bytes": 768 << 10, "low_watermark": 0.3, "high_watermark": 0.5}
+    # a KV budget of ~3 sessions: the rest are evicted, and cold ones lose their chunks
+    eng, store = make_engine(model, tok, dirs, storage, kv_budget_bytes=20 * 24576)
+    capacity = store.space().capacity
+    try:
+        rng = random.Random(7)
+        p = SamplingParams(max_new_tokens=8)
+        sessions = [eng.create_session() for _ in range(36)]
+        history: dict[str, list[int]] = {s.id: [] for s in sessions}
+        plans = []
+        for _ in range(5):
+            for s in rng.sample(sessions, len(sessions)):
+                new = rand_ids(rng, rng.randrange(20, 36))
+                got, stats = turn(eng, s.id, token_ids=new, params=p)  # never refused
+                assert got == reference(model, [*history[s.id], *new], p, set())
+                history[s.id] += [*new, *got]
+                plans.append(stats["plan"])
+        # what the sessions would store had nothing been released (both kinds, every layer)
+        per_chunk = sum(sh.slot_bytes for sh in store.shapes.values()) * model.cfg.num_layers
+        total = sum(num_chunks(len(h) - 1) * per_chunk for h in history.values())
+        assert total >= 10 * capacity
+        assert store.stats.bytes_released > 0 and store.stats.demotions > 0
+        assert any(pl["recompute"] for pl in plans)  # released sessions came back by recompute
+        assert store.space().used <= capacity
+    finally:
+        eng.close()
+        store.close()
+    report = fsck([str(d) for d in dirs])
+    assert report.clean, report.lines()
+
+
+def test_ttl_deletes_idle_sessions_which_then_say_they_expired(model, tmp_path):
+    tok = word_tokenizer(model.cfg.vocab_size)
+    dirs = [tmp_path / "s"]
+    eng, store = make_engine(model, tok, dirs, session_ttl_s=1.0)
+    p = SamplingParams(max_new_tokens=4)
+    try:
+        old, kept = eng.create_session(), eng.create_session()
+        turn(eng, old.id, token_ids=[1, 2, 3], params=p)
+        deadline = time.monotonic() + 10
+        while old.id in eng.registry.sessions and time.monotonic() < deadline:
+            turn(eng, kept.id, token_ids=[4, 5], params=p)  # used within the TTL: kept
+            time.sleep(0.2)
+        assert old.id not in eng.registry.sessions and kept.id in eng.registry.sessions
+        for call in (lambda: eng.generate(old.id, token_ids=[1]), lambda: eng.get(old.id)):
+            with pytest.raises(NotFound, match="expired"):
+                call()
+        with pytest.raises(NotFound, match="not found"):
+            eng.get("0" * 32)  # never existed: no claim that it expired
+        assert old.id not in {r.owner for r in store.owners()}  # records included
+        assert eng.counters.expiries == 1
+    finally:
+        eng.close()
+        store.close()
+    assert fsck([str(d) for d in dirs]).clean
+    eng, store = make_engine(model, tok, dirs)  # after a restart too
+    try:
+        with pytest.raises(NotFound, match="expired"):
+            eng.get(old.id)
+    finally:
+        eng.close()
+        store.close()
+
+
+def test_context_in_use_is_never_released(model, tmp_path):
+    tok = word_tokenizer(model.cfg.vocab_size)
+    eng, store = make_engine(model, tok, [tmp_path / "s"], {"low_watermark": 0.0, "high_watermark": 0.0})
+    try:
+        rng = random.Random(3)
+        doc = rand_ids(rng, 3 * CHUNK_TOKENS)
+        ctx = eng.precompute_context(token_ids=doc)
+        s = eng.create_session(context_ids=[ctx.id])
+        other = eng.create_session()
+        p = SamplingParams(max_new_tokens=6)
+        turn(eng, other.id, token_ids=rand_ids(rng, 70), params=p)
+        eng.evict(other.id)
+        kinds = store.owner_row(ctx.id).layer_kinds
+        # the store is now "full": every pass wants everything released
+        store.cfg.low_watermark = store.cfg.high_watermark = 1.0
+        q = rand_ids(rng, 20)
+        seq = eng.generate(s.id, token_ids=q, params=p)  # the session reads the context's chunks
+        eng.reclaimer.step()
+        assert store.owner_row(ctx.id).layer_kinds == kinds  # in use: kept
+        assert store.owner_row(other.id).layer_kinds.strip("-") == ""  # an idle one was not
+        got = [t for ev in eng.stream(seq) for t in ev.token_ids]
+        assert got == reference(model, doc + q, p, set())
+        assert [v.id for v in eng.reclaimer._victims()][-1] == ctx.id  # shared: released last
+        eng.evict(s.id)
+        deadline = time.monotonic() + 10
+        while store.owner_row(ctx.id).layer_kinds.strip("-") and time.monotonic() < deadline:
+            eng.reclaimer.wake.set()
+            time.sleep(0.05)
+        assert store.owner_row(ctx.id).layer_kinds.strip("-") == ""  # nothing uses it now: released
+        q2 = rand_ids(rng, 15)
+        got2, stats = turn(eng, s.id, token_ids=q2, params=p)
+        assert got2 == reference(model, [*doc, *q, *got, *q2], p, set())
+        assert stats["plan"]["recompute"] == model.cfg.num_layers
+    finally:
+        eng.close()
+        store.close()
