@@ -202,6 +202,9 @@ def render(results: Path, bench_dir: Path) -> str:
     cap = _load(results, "serve_capacity")
     if cap is not None:
         lines += _capacity(cap)
+    api = _load(results, "serve_openai")
+    if api is not None:
+        lines += _openai(api)
     lines += ["## Commands", "", "```", COMMANDS.rstrip(), "```", ""]
     return "\n".join(lines)
 
@@ -230,6 +233,28 @@ def _capacity(data: dict) -> list[str]:
             f"{r['restored_recompute']} | {_fmt(r.get('bytes_released', 0) / 1e6, 1)} |"
         )
     return [*out, "", "Raw results: `bench/results/serve_capacity.json`.", ""]
+
+
+def _openai(data: dict) -> list[str]:
+    """The serving trace over gRPC and over OpenAI's chat completions, full histories resent."""
+    out = [
+        "## Serving trace over gRPC and the OpenAI API",
+        "",
+        f"`hcache bench serve --api openai` on {data.get('cpu', 'an unnamed CPU')}: the trace over gRPC, then "
+        "through openai-python (streamed, each turn resending the whole conversation and naming its session), each "
+        "on a fresh server. TTFT is client-side, medians and p99 of every turn; cached is cached_tokens over "
+        "prompt_tokens after each session's first turn. Targets: OpenAI TTFT p50 within 1.2x of gRPC; cached >= 90%.",
+        "",
+        "| method | API | turns | errors | TTFT p50 ms | TTFT p99 ms | TBT p50 ms | TTFT p50 / gRPC | cached |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        cached = "-" if r.get("cached_ratio") is None else f"{r['cached_ratio']:.1%}"
+        out.append(
+            f"| {r['method']} | {r['api']} | {r['turns']} | {len(r['errors'])} | {_fmt(r['ttft_p50_ms'])} | "
+            f"{_fmt(r['ttft_p99_ms'])} | {_fmt(r['tbt_p50_ms'])} | {r['ttft_p50_vs_grpc']:.2f} | {cached} |"
+        )
+    return [*out, "", "Raw results: `bench/results/serve_openai.json`.", ""]
 
 
 def main(argv: list[str] | None = None) -> int:
