@@ -27,7 +27,7 @@ from hcache.engine.records import Counters, EngineSnapshot, RestoreResult, Sessi
 from hcache.engine.runner import Runner
 from hcache.engine.sampler import SamplingParams
 from hcache.engine.scheduler import Scheduler
-from hcache.engine.sequence import Event, Sequence, Session, TextStream
+from hcache.engine.sequence import Event, EventSink, Sequence, Session, TextStream
 from hcache.engine.sessions import Registry, layer_kinds_for
 from hcache.engine.telemetry import Telemetry
 from hcache.malloc import trim_when_idle
@@ -135,8 +135,11 @@ class Engine:
         params: SamplingParams | None = None,
         stops: list[str] | None = None,
         tenant: str | None = None,
+        events: EventSink | None = None,
     ) -> Sequence:
-        """Queue a turn; read `seq.events` (or iterate `stream(seq)`) for the reply."""
+        """Queue a turn; read `seq.events` (or iterate `stream(seq)`) for the reply. `events`
+        replaces that queue: anything with a thread-safe `put(event)`, called on the engine's
+        threads."""
         self._check_open()
         params = params or SamplingParams(max_new_tokens=self.cfg.default_max_new_tokens)
         stops = list(stops or [])
@@ -162,6 +165,8 @@ class Engine:
             self._check_storage(tenant, len(ids) - len(s.tokens) + params.max_new_tokens)
             seq = self._sequence(s, ids[keep:], keep, params, stops, sample=True)
             seq.user_message = message or None
+            if events is not None:
+                seq.events = events  # type: ignore[assignment]
             if self.cfg.restore_method != "auto":
                 seq.restore_method = Method(self.cfg.restore_method)
             s.mode = mode

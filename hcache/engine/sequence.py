@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 from hcache.engine.block_pool import PagedCache
 from hcache.engine.prefill import PrefillJob
@@ -152,6 +152,12 @@ class Event:
     finish_reason: str = ""
     stats: TurnStats | None = None
     error: Exception | None = None
+
+
+class EventSink(Protocol):
+    """Where a sequence's events go (a `queue.Queue` by default): `put` is called on engine threads."""
+
+    def put(self, item: Event) -> None: ...
 
 
 @dataclass(eq=False)

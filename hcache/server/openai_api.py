@@ -9,12 +9,14 @@ API keys arrive as `Authorization: Bearer` and are the gRPC side's tenants."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Request
@@ -22,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse
-from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+from starlette.concurrency import run_in_threadpool
 
 from hcache.engine.engine import Engine
 from hcache.engine.errors import EngineError, InvalidArgument, Unavailable
@@ -180,12 +182,14 @@ async def chat_completions(
 ) -> JSONResponse | EventSourceResponse:
     _check_model(engine, body.model)
     params, stops = body.sampling(engine.cfg.default_max_new_tokens)
-    session, seq = await run_in_threadpool(_start, engine, body, body.session_id or x_session_id, who, params, stops)
+    sink = _LoopSink(asyncio.get_running_loop()) if body.stream else None
+    sid = body.session_id or x_session_id
+    session, seq = await run_in_threadpool(_start, engine, body, sid, who, params, stops, sink)
     head = _Head(engine.model_name, session.id)
-    if body.stream:
+    if sink is not None:
         usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventSourceResponse(
-            _stream(engine, seq, head, usage), headers={"x-session-id": session.id}, ping=15, sep="\n"
+            _stream(engine, seq, sink, head, usage), headers={"x-session-id": session.id}, ping=15, sep="\n"
         )
     text, reason, stats = await run_in_threadpool(_collect, engine, seq)
     return JSONResponse(head.completion(text, reason, stats), headers={"x-session-id": session.id})
@@ -193,7 +197,13 @@ async def chat_completions(
 
 # --- the turn ---------------------------------------------------------------------------------
 def _start(
-    engine: Engine, body: ChatRequest, sid: str | None, who: str | None, params: SamplingParams, stops: list[str]
+    engine: Engine,
+    body: ChatRequest,
+    sid: str | None,
+    who: str | None,
+    params: SamplingParams,
+    stops: list[str],
+    sink: _LoopSink | None,
 ) -> tuple[Session, Sequence]:
     """The session this conversation continues (or a new one) and its queued turn."""
     msgs = [m.as_dict() for m in body.messages]
@@ -210,10 +220,10 @@ def _start(
                 "conversation_mismatch",
                 "messages",
             )
-        return s, engine.generate(s.id, message=msgs[-1]["content"], params=params, stops=stops, tenant=who)
+        return s, engine.generate(s.id, msgs[-1]["content"], None, params, stops, who, sink)
     s = engine.create_session(history=msgs[:-1], tenant=who)
     try:
-        return s, engine.generate(s.id, message=msgs[-1]["content"], params=params, stops=stops, tenant=who)
+        return s, engine.generate(s.id, msgs[-1]["content"], None, params, stops, who, sink)
     except Exception:
         engine.delete(s.id, who)  # a refused first turn leaves no empty session behind
         raise
@@ -231,14 +241,29 @@ def _collect(engine: Engine, seq: Sequence) -> tuple[str, str, TurnStats]:
     raise InvalidArgument("the turn ended without a final event")
 
 
-async def _stream(engine: Engine, seq: Sequence, head: _Head, usage: bool) -> AsyncIterator[dict]:
+class _LoopSink:
+    """A turn's events handed to the event loop as the engine makes them: one thread hop per
+    event, where iterating the engine's queue on a threadpool thread took two and kept a
+    thread per stream taking the GIL beside the engine."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def put(self, item: Event) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server is stopping
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+async def _stream(engine: Engine, seq: Sequence, sink: _LoopSink, head: _Head, usage: bool) -> AsyncIterator[dict]:
     """Chunks as OpenAI sends them: the role, the text as it comes, the finish reason, usage
     (when asked), then [DONE]. A client that goes away cancels the turn, which keeps what
     was generated, as a cancelled gRPC stream does."""
-    events: Iterator[Event] = engine.stream(seq)
     try:
         yield {"data": json.dumps(head.chunk({"role": "assistant", "content": ""}))}
-        async for ev in iterate_in_threadpool(events):
+        while True:
+            ev: Event = await sink.queue.get()
+            if ev.error is not None:
+                raise ev.error
             if not ev.finished:
                 if ev.text:
                     yield {"data": json.dumps(head.chunk({"content": ev.text}))}
