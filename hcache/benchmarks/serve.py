@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +70,28 @@ class Result:
     wall_s: float = 0.0
     prompt_tokens: int = 0  # after each session's first turn (OpenAI runs)
     cached_tokens: int = 0
+
+    def turn(self, start: float, stamps: list[float]) -> None:
+        """A finished turn: time to its first token and between the rest (under the lock)."""
+        self.turns += 1
+        self.ttft_ms.append((stamps[0] - start) * 1e3)
+        self.tbt_ms += [(b - a) * 1e3 for a, b in itertools.pairwise(stamps)]
+
+
+def play(trace: list[SessionPlan], session: Callable[[SessionPlan], None]) -> float:
+    """Each session of the trace on its own thread from its arrival time; the wall seconds."""
+    t0 = time.perf_counter()
+
+    def arrive(plan: SessionPlan) -> None:
+        time.sleep(max(0.0, plan.arrival_s - (time.perf_counter() - t0)))
+        session(plan)
+
+    threads = [threading.Thread(target=arrive, args=(p,)) for p in trace]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return time.perf_counter() - t0
 
 
 def make_trace(args: argparse.Namespace) -> list[SessionPlan]:
@@ -125,10 +148,8 @@ def store_totals(http: int) -> dict:
 def run_trace(target: str, trace: list[SessionPlan], seed: int) -> Result:
     res = Result()
     lock = threading.Lock()
-    t0 = time.perf_counter()
 
     def one(plan: SessionPlan) -> None:
-        time.sleep(max(0.0, plan.arrival_s - (time.perf_counter() - t0)))
         with Client(target) as c:
             try:
                 sid = c.create_session("You are a helpful assistant.").session_id
@@ -142,9 +163,7 @@ def run_trace(target: str, trace: list[SessionPlan], seed: int) -> Result:
                             stamps.append(time.perf_counter())
                     assert last is not None and stamps
                     with lock:
-                        res.turns += 1
-                        res.ttft_ms.append((stamps[0] - start) * 1e3)
-                        res.tbt_ms += [(b - a) * 1e3 for a, b in itertools.pairwise(stamps)]
+                        res.turn(start, stamps)
                         if last.stats.restore_ms:
                             res.restored_turns += 1
                             res.restore_ms.append(last.stats.restore_ms)
@@ -160,12 +179,7 @@ def run_trace(target: str, trace: list[SessionPlan], seed: int) -> Result:
                 with lock:
                     res.errors.append(f"{e.code().name}: {e.details()}")
 
-    threads = [threading.Thread(target=one, args=(p,)) for p in trace]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    res.wall_s = time.perf_counter() - t0
+    res.wall_s = play(trace, one)
     return res
 
 
@@ -176,10 +190,8 @@ def run_trace_openai(base_url: str, trace: list[SessionPlan], seed: int) -> Resu
 
     res = Result()
     lock = threading.Lock()
-    t0 = time.perf_counter()
 
     def one(plan: SessionPlan) -> None:
-        time.sleep(max(0.0, plan.arrival_s - (time.perf_counter() - t0)))
         c = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
         msgs: list[dict] = [{"role": "system", "content": "You are a helpful assistant."}]
         sid = None
@@ -208,9 +220,7 @@ def run_trace_openai(base_url: str, trace: list[SessionPlan], seed: int) -> Resu
                 assert usage is not None and stamps
                 msgs.append({"role": "assistant", "content": "".join(parts)})
                 with lock:
-                    res.turns += 1
-                    res.ttft_ms.append((stamps[0] - start) * 1e3)
-                    res.tbt_ms += [(b - a) * 1e3 for a, b in itertools.pairwise(stamps)]
+                    res.turn(start, stamps)
                     if i:
                         res.prompt_tokens += usage.prompt_tokens
                         res.cached_tokens += usage.prompt_tokens_details.cached_tokens
@@ -221,12 +231,7 @@ def run_trace_openai(base_url: str, trace: list[SessionPlan], seed: int) -> Resu
             with lock:
                 res.errors.append(f"{type(e).__name__}: {e}")
 
-    threads = [threading.Thread(target=one, args=(p,)) for p in trace]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    res.wall_s = time.perf_counter() - t0
+    res.wall_s = play(trace, one)
     return res
 
 
