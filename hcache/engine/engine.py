@@ -40,7 +40,6 @@ from hcache.storage.store import ChunkStore
 
 log = logging.getLogger(__name__)
 RECENT_SESSIONS = 200  # rows of the dashboard's session table
-ROOM_WAIT_S = 5.0  # a turn waits this long for the reclaimer to free store space, then tries anyway
 INTERNAL = "internal error in the engine; see the server log"
 
 
@@ -76,7 +75,7 @@ class Engine:
         self.finisher = Finisher(store, self.scheduler, self.lock, tokenizer.decode, self._turn_ended)
         self.settled = threading.Condition(self.lock)  # a session the reclaimer held is free again
         self.reclaimer = Reclaimer(
-            store, self.registry, self.lock, self.settled, self.cfg, self.counters, self._evict, self._wake.set
+            store, self.registry, self.lock, self.settled, self.cfg, self.counters, self.scheduler.evict, self._wake.set
         )
         self.draining = False
         self._stop = False
@@ -147,7 +146,7 @@ class Engine:
         checks.sampling(params, stops, cap)
         checks.exactly_one(message, token_ids, "a turn is a non-empty message or a list of token_ids (exactly one)")
         with self.lock:
-            s = self._settle(session_id, tenant)
+            s = self.reclaimer.settle(session_id, tenant)
             checks.usable(s)
             mode = "chat" if message else "tokens"
             if s.mode and s.mode != mode:
@@ -178,7 +177,7 @@ class Engine:
         """Make the session resident (again, from storage, when a method is forced)."""
         self._check_open()
         with self.lock:
-            s = self._settle(session_id, tenant)
+            s = self.reclaimer.settle(session_id, tenant)
             checks.usable(s)
             if s.resident and method is None:
                 return RestoreResult(already_resident=True, num_tokens=len(s.tokens))
@@ -195,7 +194,7 @@ class Engine:
 
     def evict(self, session_id: str, tenant: str | None = None) -> Session:
         with self.lock:
-            s = self._settle(session_id, tenant)
+            s = self.reclaimer.settle(session_id, tenant)
             checks.not_busy(s)
             self.scheduler.evict(s)
             return s
@@ -205,7 +204,7 @@ class Engine:
         with self.lock:
             s = self.registry.sessions.get(session_id)
             kind = s.kind if s is not None else "session"
-            s = self._settle(session_id, tenant, kind)  # NotFound for unknown ids and other tenants
+            s = self.reclaimer.settle(session_id, tenant, kind)  # NotFound for unknown ids and other tenants
             checks.not_busy(s)
             self.scheduler.evict(s)
             self.registry.delete(s)
@@ -279,19 +278,6 @@ class Engine:
         if self.draining:
             raise Unavailable("the server is draining; retry on another instance")
 
-    def _settle(self, session_id: str, tenant: str | None, kind: str = "session") -> Session:
-        """The session, once the reclaimer is done with it and its context (a release takes
-        a few milliseconds). Called under the lock; it may be gone afterwards (expired)."""
-        while True:
-            s = self.registry.get(session_id, kind, tenant)
-            parent = self.registry.sessions.get(s.parent) if s.parent else None
-            if not (s.releasing or (parent is not None and parent.releasing)):
-                return s
-            self.settled.wait()
-
-    def _evict(self, s: Session) -> None:
-        self.scheduler.evict(s)
-
     def _turn_ended(self) -> None:
         """A turn became durable: the loop may admit more, and the store has grown."""
         self._wake.set()
@@ -356,7 +342,7 @@ class Engine:
                 worked = True
                 self.finisher.fail(seq, refused)
                 continue
-            if not self._store_has_room(seq):
+            if not self.reclaimer.has_room(seq):
                 self.scheduler.waiting.appendleft(seq)  # no blocks taken yet: it keeps its place
                 return worked
             worked = True
@@ -370,22 +356,6 @@ class Engine:
                 log.exception("starting a turn of %s failed", seq.session.id)
                 self.finisher.fail(seq, EngineError(INTERNAL))
         return worked
-
-    def _store_has_room(self, seq: Sequence) -> bool:
-        """Whether the store has room for what the turn will save. When it has not, the
-        reclaimer is asked to free it and the turn waits (at most ROOM_WAIT_S: when nothing
-        idle is left to release, the turn runs and a full store refuses it as before)."""
-        s = seq.session
-        n = len(seq.new_tokens) + (seq.params.max_new_tokens if seq.sample else 0)
-        need = self.store.bytes_for(s.id, seq.keep - s.base, n)
-        if need == 0 or self.store.space().free >= need:
-            return True
-        now = time.monotonic()
-        seq.t_room = seq.t_room or now
-        if now - seq.t_room > ROOM_WAIT_S:
-            return True
-        self.reclaimer.want(need)
-        return False
 
     def _start(self, seq: Sequence) -> None:
         s = seq.session

@@ -3,7 +3,7 @@ watermark, the chunks of the least recently used idle sessions are given up (the
 `release`, cheapest layers first) until it is back at the high watermark; with a TTL,
 sessions idle longer than that are deleted, records included. Nothing here runs on a
 turn's path: a session is picked under the engine's lock, marked `releasing` (a request
-for it waits, briefly, in `Engine._settle`) and released outside the lock."""
+for it waits, briefly, in `settle`) and released outside the lock."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ from collections.abc import Callable, Iterator
 
 from hcache.config import EngineConfig
 from hcache.engine.records import Counters
-from hcache.engine.sequence import Session
+from hcache.engine.sequence import Sequence, Session
 from hcache.engine.sessions import Registry
 from hcache.storage.store import ChunkStore
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5  # between checks when nothing wakes the reclaimer
+ROOM_WAIT_S = 5.0  # a turn waits this long for released space, then tries anyway
 
 
 class Reclaimer:
@@ -46,6 +47,32 @@ class Reclaimer:
         """A turn waits for `nbytes` of free space: release for it even above the low watermark."""
         self._wanted = max(self._wanted, nbytes)
         self.wake.set()
+
+    def settle(self, session_id: str, tenant: str | None, kind: str = "session") -> Session:
+        """The session, once no release holds it or its context (a release takes a few
+        milliseconds). Called under the engine's lock; it may be gone afterwards (expired)."""
+        while True:
+            s = self.registry.get(session_id, kind, tenant)
+            parent = self.registry.sessions.get(s.parent) if s.parent else None
+            if not (s.releasing or (parent is not None and parent.releasing)):
+                return s
+            self.settled.wait()
+
+    def has_room(self, seq: Sequence) -> bool:
+        """Whether the store has room for what the turn will save. When it has not, releases
+        are asked for and the turn waits (at most ROOM_WAIT_S: when nothing idle is left to
+        release, the turn runs and a full store refuses it as before)."""
+        s = seq.session
+        n = len(seq.new_tokens) + (seq.params.max_new_tokens if seq.sample else 0)
+        need = self.store.bytes_for(s.id, seq.keep - s.base, n)
+        if need == 0 or self.store.space().free >= need:
+            return True
+        now = time.monotonic()
+        seq.t_room = seq.t_room or now
+        if now - seq.t_room > ROOM_WAIT_S:
+            return True
+        self.want(need)
+        return False
 
     def close(self) -> None:
         self._stop = True
