@@ -218,6 +218,11 @@ class EngineConfig:
         2 << 30, "resident KV of all sessions (the block pool)", flag="--kv-budget-mb", unit=MB
     )
     max_batch: int = setting(32, "sequences per decode step")
+    decode: str = setting(
+        os.environ.get("HCACHE_DECODE", "compiled"),
+        "compiled: the decode step is one torch.compile graph (compiled at start, about a minute); eager: op by op",
+        choices=("compiled", "eager"),
+    )
     piece_tokens: int = setting(512, "prefill runs in pieces of this many tokens")
     prefill_slice_ms: float = setting(25.0, "restore/prefill time per engine step while others decode")
     default_max_new_tokens: int = setting(256, "max_new_tokens of a request that gives none")
@@ -263,7 +268,7 @@ class Config:
     dtype: str = setting("float32", "weights and activations", choices=("float32", "bfloat16"))
     weights: str = setting(
         "float",
-        "float: dequantized (the oracle); int4: packed int4 linears and int8 head on CPUs (needs --dtype bfloat16)",
+        "float: dequantized (the oracle); int4: packed int4 linears and int8 embedding/head on CPUs",
         choices=("float", "int4"),
     )
     device: str = setting("cpu", "torch device the model runs on")

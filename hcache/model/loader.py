@@ -63,13 +63,14 @@ def resolve_model_path(name: str) -> Path:
 def load(name: str = "default", dtype: str = "float32", device: str = "cpu", weights: str = "float") -> LoadedModel:
     """weights: `float` dequantizes every tensor (the oracle); `int4` keeps linear layers as
     group-wise int4 (GGUF Q4_1 blocks as they are, other weights quantized on load) and the
-    embedding and LM head as per-row int8, on torch's packed CPU kernels (bfloat16 only)."""
+    embedding and LM head as per-row int8, on torch's packed CPU kernels, which take and give
+    bfloat16 (a float32 model keeps float32 everywhere else: norms, attention, the KV cache)."""
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     if weights not in WEIGHT_MODES:
         raise ValueError(f"unsupported weights {weights!r}; choose one of {', '.join(WEIGHT_MODES)}")
-    if weights != "float" and (dtype != "bfloat16" or torch.device(device).type != "cpu"):
-        raise ValueError(f"--weights {weights} runs on CPUs in bfloat16 (got {dtype} on {device})")
+    if weights != "float" and torch.device(device).type != "cpu":
+        raise ValueError(f"--weights {weights} runs on CPUs (got {device})")
     path = resolve_model_path(name)
     if path.is_dir():
         model, tok = _load_hf(path, weights)

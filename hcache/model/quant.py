@@ -13,6 +13,8 @@ min/max per group (`int4_from_float`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from torch import nn
@@ -21,7 +23,19 @@ GROUP = 32
 WEIGHT_MODES = ("float", "int4")
 
 
-class Int4Linear(nn.Module):
+class _Bf16Scales(nn.Module):
+    """Scales stay bfloat16, what the kernels take, when the model moves to another dtype
+    (`.to(torch.float32)` converts every float buffer)."""
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> nn.Module:
+        super()._apply(fn, recurse)
+        for name, t in self.named_buffers(recurse=False):
+            if t.is_floating_point():
+                setattr(self, name, t.to(torch.bfloat16))
+        return self
+
+
+class Int4Linear(_Bf16Scales):
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 2
@@ -40,16 +54,14 @@ class Int4Linear(nn.Module):
         return cls(packed, sz, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if flat.dtype != torch.bfloat16:
-            raise TypeError(f"int4 weights run on bfloat16 activations, got {flat.dtype}")
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
 
-class Int8Rows(nn.Module):
+class Int8Rows(_Bf16Scales):
     """A `[rows, dim]` matrix as int8 with a scale per row: an LM head (`forward`) and the
     embedding it is tied to (`lookup`) share it."""
 
@@ -65,8 +77,8 @@ class Int8Rows(nn.Module):
         return cls(q, s.to(torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.q.shape[1])
-        y = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales.to(flat.dtype))
+        flat = x.reshape(-1, self.q.shape[1]).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales).to(x.dtype)
         return y.view(*x.shape[:-1], self.q.shape[0])
 
     def lookup(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -74,12 +86,17 @@ class Int8Rows(nn.Module):
 
 
 class Int8Embedding(nn.Module):
-    def __init__(self, rows: Int8Rows):
+    def __init__(self, rows: Int8Rows, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.rows = rows
+        self.dtype = dtype  # the activations'
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> nn.Module:
+        self.dtype = fn(torch.empty(0, dtype=self.dtype)).dtype  # follows `.to(dtype)` as a weight would
+        return super()._apply(fn, recurse)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.rows.lookup(tokens, self.rows.scales.dtype)
+        return self.rows.lookup(tokens, self.dtype)
 
 
 def int4_from_float(w: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:

@@ -83,9 +83,12 @@ def test_int4_stays_close_to_the_float_oracle(default_model, int4_model):
     assert ppl_int4 < 1.01 * ppl_float, (ppl_int4, ppl_float)
 
 
-def test_int4_needs_bfloat16_on_a_cpu():
-    with pytest.raises(ValueError, match="bfloat16"):
-        load("default", "float32", weights="int4")
+def test_int4_runs_on_cpus_with_bfloat16_scales_in_any_dtype():
+    with pytest.raises(ValueError, match="runs on CPUs"):
+        load("default", "float32", device="meta", weights="int4")
+    m = load("default", "float32", weights="int4").model
+    assert m.dtype == torch.float32 and m.layers[0].wq.scales_zeros.dtype == torch.bfloat16
+    assert m.lm_head.scales.dtype == torch.bfloat16 and m.embed_tokens(torch.tensor([5])).dtype == torch.float32
     with pytest.raises(ValueError, match="unsupported weights"):
         load("default", "bfloat16", weights="int3")
 
