@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# the engine's decode step runs eager in tests unless one asks for the compiled graph
+# (compiling it takes most of a minute per model); set before hcache.config is read
+os.environ.setdefault("HCACHE_DECODE", "eager")
+
 from hcache.malloc import tune_allocator
 from hcache.model.base import DecoderModel
 from hcache.model.loader import LoadedModel, default_model_path, load

@@ -71,6 +71,9 @@ class Engine:
         self.counters = Counters()
         self.scheduler = Scheduler(self.pool, self.registry.sessions, self.cfg.max_batch, self.counters)
         self.runner = Runner(model, store, self.cfg)
+        if self.runner.graph is not None:  # compiled now, so that no request waits for it
+            graph = self.runner.graph
+            omp.on_worker(lambda: graph.warm(self.pool.k, self.pool.v, self.pool.num_blocks - 1))
         self._wake = threading.Event()
         self.finisher = Finisher(store, self.scheduler, self.lock, tokenizer.decode, self._turn_ended)
         self.settled = threading.Condition(self.lock)  # a session the reclaimer held is free again

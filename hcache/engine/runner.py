@@ -19,6 +19,7 @@ from hcache.engine.sampler import Sampler
 from hcache.engine.saver import Saver, finish_decode
 from hcache.engine.sequence import Phase, Sequence
 from hcache.model.base import DecoderModel
+from hcache.model.decode import DecodeGraph
 from hcache.restore.plan import Plan
 from hcache.restore.state import StateSource
 from hcache.storage.store import ChunkStore
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 class Runner:
     def __init__(self, model: DecoderModel, store: ChunkStore, cfg: EngineConfig):
         self.model, self.store, self.cfg = model, store, cfg
+        self.graph = DecodeGraph(model) if cfg.decode == "compiled" else None
 
     def start(self, seq: Sequence, plan: Plan | None, source: StateSource | None) -> None:
         """The turn's job: restore by `plan` from `source` (when not resident), then prefill."""
@@ -97,15 +99,34 @@ class Runner:
             assert q.session.cache is not None  # a decoding sequence's session is resident
             caches.append(q.session.cache)
         positions = [q.position for q in batch]
-        tokens = torch.tensor([q.generated[-1] for q in batch], device=m.device)
         staged = self.store.acquire([(q.session.id, q.position - q.session.base, 1) for q in batch])
-        bc = BatchCache(caches, [1] * len(batch))
-        h = m(tokens, torch.tensor(positions, device=m.device), bc, hidden_out=staged.hidden)
+        if self.graph is not None:
+            logits = self._graph_step(batch, caches, positions, staged.hidden)
+        else:
+            tokens = torch.tensor([q.generated[-1] for q in batch], device=m.device)
+            h = m(tokens, torch.tensor(positions, device=m.device), BatchCache(caches, [1] * len(batch)), staged.hidden)
+            logits = m.logits(h)
         finish_decode(self.store, staged, caches, positions)
-        logits = m.logits(h)
         out = []
         for i, q in enumerate(batch):
             q.session.tokens.append(q.generated[-1])
             assert q.sampler is not None
             out.append(q.sampler(logits[i]))
         return out
+
+    def _graph_step(
+        self, batch: list[Sequence], caches: list[PagedCache], positions: list[int], hidden: dict[int, torch.Tensor]
+    ) -> torch.Tensor:
+        assert self.graph is not None
+        for c in caches:
+            c.reserve(1)
+        pool = caches[0].pool
+        out = self.graph(
+            [q.generated[-1] for q in batch], positions, [c.length for c in caches], [c.blocks for c in caches],
+            pool.k, pool.v,
+        )  # fmt: skip
+        for c in caches:
+            c.length += 1
+        for layer, dst in hidden.items():
+            dst.copy_(out.hidden[layer])
+        return out.logits

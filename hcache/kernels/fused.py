@@ -161,6 +161,8 @@ def _compiles(x: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x `[T, D]`."""
+    if torch.compiler.is_compiling():  # inside a graph being traced (the decode step): fused there
+        return _rms_norm_ref(x, weight, eps)
     if _compiles(x):
         out = _norm(x, weight, eps)
         if out is not None:
@@ -170,6 +172,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x `[T, heads, head_dim]`, cos/sin `[T, head_dim]` with equal halves; into `out` when given."""
+    if torch.compiler.is_compiling():
+        return _rope_ref(x, cos, sin) if out is None else _rope_into_ref(x, cos, sin, out)
     if _compiles(x):
         res = _rope(x, cos, sin) if out is None else _rope_into(x, cos, sin, out)
         if res is not None:

@@ -1,0 +1,60 @@
+"""The compiled decode step (model/decode.py) in the engine: batches of different lengths,
+fragmented block tables, and every restore path give the eager reference's greedy tokens,
+and nothing compiles after the engine's warm-up."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import tload
+from engine_helpers import make_engine, reference, turn, word_tokenizer
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+from hcache.engine.sampler import SamplingParams
+from hcache.model import decode
+from hcache.restore.plan import Method
+
+
+@pytest.fixture(params=["llama_gqa", "opt"])
+def tiny(request, tiny_folder):
+    return tload(tiny_folder(request.param))
+
+
+def _graphs() -> int:
+    """Graphs compiled so far for the decode step (dynamo's cache entries of its functions)."""
+    return sum(len(_debug_get_cache_entry_list(f.__code__)) for f in (decode._step_one, decode._step_batch))
+
+
+def test_compiled_decode_matches_the_eager_reference(tiny, tmp_path):
+    tok = word_tokenizer(tiny.cfg.vocab_size)
+    block = 2 * tiny.cfg.num_layers * 64 * tiny.cfg.kv_dim * 4
+    eng, store = make_engine(tiny, tok, [tmp_path / "s"], max_batch=3, decode="compiled", kv_budget_bytes=12 * block)
+    try:
+        compiled = _graphs()
+        rng = random.Random(5)
+        p = SamplingParams(max_new_tokens=10)
+        # five sessions, three per step: rotating batches of different lengths and sizes
+        prompts = [[rng.randrange(300) for _ in range(n)] for n in (5, 70, 130, 17, 64)]
+        sessions = [eng.create_session() for _ in prompts]
+        seqs = [eng.generate(s.id, token_ids=ids, params=p) for s, ids in zip(sessions, prompts, strict=True)]
+        history = {}
+        for s, seq, ids in zip(sessions, seqs, prompts, strict=True):
+            got = [t for ev in eng.stream(seq) for t in ev.token_ids]
+            assert got == reference(tiny, ids, p, set())
+            history[s.id] = ids + got
+        # later turns, one at a time: a lone sequence, its blocks one run or not, after restores
+        for i, method in enumerate([None, Method.KV, Method.HIDDEN, Method.RECOMPUTE, None]):
+            sid = sessions[i].id
+            if method is not None:
+                eng.evict(sid)
+                eng.restore(sid, method)
+            new = [rng.randrange(300) for _ in range(rng.randrange(3, 40))]
+            got, _ = turn(eng, sid, token_ids=new, params=p)
+            assert got == reference(tiny, history[sid] + new, p, set()), method
+            history[sid] += new + got
+        assert _graphs() == compiled  # the warm-up compiled every graph the turns needed
+        assert eng.runner.graph is not None
+    finally:
+        eng.close()
+        store.close()
