@@ -63,6 +63,7 @@ class Lease:
     owner: str
     holder: str
     epoch: int
+    takeover: bool = field(default=False, compare=False)  # the previous lease expired unreleased
 
     @property
     def value(self) -> str:
@@ -140,7 +141,7 @@ class LocalCatalogue(Catalogue):
             if cur is not None and cur[1] > now:
                 held = cur[0]
                 raise LeaseHeld(owner, held.holder, held.epoch, int((cur[1] - now) * 1e3))
-            lease = Lease(owner, holder, next(self._epochs))
+            lease = Lease(owner, holder, next(self._epochs), takeover=cur is not None)
             self._leases[owner] = (lease, now + self.ttl_ms / 1e3)
             return lease
 

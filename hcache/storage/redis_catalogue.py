@@ -1,8 +1,9 @@
 """The session catalogue in Redis (a Redis Cluster, or one plain server). A session's keys
 share its id as hash tag, so they sit in one slot and one server-side script sees them all:
 
-  hc:{id}:rec    hash: kind, fp, layers, tokens (int32), meta (JSON), created, updated,
-                 turns, epoch (the last lease granted), cepoch (the epoch of the last commit)
+  hc:{id}:rec    hash: kind, fp, layers, tokens (int32), meta (JSON), created, updated, turns,
+                 epoch (the last lease granted), cepoch (the epoch of the last commit),
+                 released (the last epoch given back: an acquire past any other is a takeover)
   hc:{id}:lease  "holder epoch", with a TTL (PX): the one writer
 
 Records carry no TTL, so `volatile-lru` never evicts them. Leases are `SET NX PX` inside the
@@ -21,12 +22,16 @@ from urllib.parse import urlsplit
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from hcache.storage.catalogue import Catalogue, Lease, Record, pack_tokens, unpack_tokens
 from hcache.storage.errors import ClusterUnavailable, LeaseHeld, LeaseLost, UnknownOwner
 
 T = TypeVar("T")
+# what redis-py raises when it cannot get an answer (its cluster client: RedisClusterException
+# when no startup node answers, IndexError when none is left to ask)
+UNREACHABLE = (redis.RedisError, RedisClusterException, IndexError)
 OWNER_ID = re.compile(r"(ctx-)?[0-9a-f]{32}")  # the ids hcache makes; anything else is unknown
 
 ACQUIRE = """
@@ -35,15 +40,17 @@ local cur = redis.call('GET', KEYS[2])
 if cur then return {0, cur, redis.call('PTTL', KEYS[2])} end
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 redis.call('SET', KEYS[2], ARGV[1] .. ' ' .. epoch, 'NX', 'PX', ARGV[2])
-return {1, epoch}
+local released = tonumber(redis.call('HGET', KEYS[1], 'released') or '0')
+return {1, epoch, (epoch > 1 and released ~= epoch - 1) and 1 or 0}
 """
 RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
 """
 RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('HSET', KEYS[2], 'released', ARGV[2]) end
+return redis.call('DEL', KEYS[1])
 """
 COMMIT = """
 local cur = redis.call('HGET', KEYS[1], 'epoch')
@@ -121,9 +128,7 @@ class RedisCatalogue(Catalogue):
     def _guard(self, fn: Callable[[], T]) -> T:
         try:
             return fn()
-        except redis.RedisError as e:
-            raise ClusterUnavailable(f"the session cluster {self.url} is unreachable: {e}") from None
-        except IndexError as e:  # redis-py's cluster client, when no node answers its slots query
+        except UNREACHABLE as e:
             raise ClusterUnavailable(f"the session cluster {self.url} is unreachable: {e}") from None
 
     def _run(self, script: str, keys_: list[str], args: list[Any]) -> Any:
@@ -177,15 +182,15 @@ class RedisCatalogue(Catalogue):
         if out[0] == 0:
             who, _, epoch = out[1].decode().rpartition(" ")
             raise LeaseHeld(owner, who, int(epoch), int(out[2]))
-        return Lease(owner, holder, int(out[1]))
+        return Lease(owner, holder, int(out[1]), takeover=bool(out[2]))
 
     def renew(self, lease: Lease) -> bool:
         _, k = keys(lease.owner)
         return bool(self._run("renew", [k], [lease.value, self.ttl_ms]))
 
     def release(self, lease: Lease) -> None:
-        _, k = keys(lease.owner)
-        self._run("release", [k], [lease.value])
+        rec, k = keys(lease.owner)
+        self._run("release", [k, rec], [lease.value, lease.epoch])
 
     def _fenced(self, lease: Lease, out: list[Any]) -> None:
         if out[0] == -1:
@@ -215,7 +220,7 @@ class RedisCatalogue(Catalogue):
                     return [f"the session cluster {self.url} is in state {state}"]
             else:
                 self.r.ping()
-        except (redis.RedisError, IndexError) as e:
+        except UNREACHABLE as e:
             return [f"the session cluster {self.url} is unreachable: {e}"]
         return []
 

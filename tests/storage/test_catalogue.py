@@ -69,7 +69,7 @@ def test_one_writer_and_the_epoch_fences_a_late_commit(cat):
     time.sleep(TTL_MS * 1.5 / 1e3)  # a dies: its lease expires
     assert not cat.renew(a)
     b = cat.acquire(rec.owner, "replica-b")
-    assert b.epoch > a.epoch
+    assert b.epoch > a.epoch and b.takeover
     with pytest.raises(LeaseLost, match=r"taken over|superseded"):
         cat.commit_turn(a, [1, 2], {"turns": 1})  # the old owner's late commit
     cat.commit_turn(b, [3, 4], {"turns": 1})
@@ -80,6 +80,7 @@ def test_one_writer_and_the_epoch_fences_a_late_commit(cat):
     got = cat.get(rec.owner)
     assert got is not None and got.tokens == [3, 4]
     c = cat.acquire(rec.owner, "replica-c")
+    assert not c.takeover
     cat.delete(c)
     assert cat.get(rec.owner) is None
     with pytest.raises(UnknownOwner):
