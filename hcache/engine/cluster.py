@@ -9,13 +9,25 @@ import os
 import secrets
 import socket
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hcache.storage.catalogue import Catalogue, Lease, Record
 from hcache.storage.errors import ClusterUnavailable, LeaseHeld, StorageError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    """What operators see of the cluster (no network call: the lease thread keeps it)."""
+
+    url: str
+    replica: str
+    problems: list[str]  # as of the last check (empty: reachable and serving)
+    checked: float  # Unix time of that check
+    counters: ClusterCounters
 
 
 @dataclass
@@ -50,6 +62,8 @@ class ClusterLink:
         self.renew_every_s = renew_every_s or ttl / 3
         self.counters = ClusterCounters()
         self._held: dict[str, Lease] = {}
+        self._problems: list[str] = []
+        self._checked = 0.0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew, name="hcache-leases", daemon=True)
@@ -135,10 +149,18 @@ class ClusterLink:
             log.warning("releasing the lease of %s: %s", lease.owner, e)
 
     def problems(self) -> list[str]:
-        return self.cat.problems()
+        """Asks the cluster now."""
+        self._problems, self._checked = self.cat.problems(), time.time()
+        return self._problems
+
+    def state(self) -> ClusterState:
+        url = getattr(self.cat, "url", self.cat.name)
+        return ClusterState(url, self.holder, list(self._problems), self._checked, replace(self.counters))
 
     def _renew(self) -> None:
+        self.problems()
         while not self._stop.wait(self.renew_every_s):
+            self.problems()
             with self._lock:
                 held = list(self._held.values())
             for lease in held:

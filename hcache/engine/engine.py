@@ -338,6 +338,7 @@ class Engine:
                 budget_bytes=self.pool.num_blocks * per_block,
                 recent=[SessionRow.of(s) for s in recent],
                 storage=storage,
+                cluster=self.cluster.state() if self.cluster is not None else None,
             )
 
     # --- helpers -------------------------------------------------------------------

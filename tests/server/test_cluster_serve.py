@@ -160,6 +160,17 @@ def test_an_unreachable_cluster_is_not_ready_and_unavailable(default_model, tmp_
         with Client(target(run)) as c:
             sid = c.create_session(SYSTEM).session_id
             c.reply(sid, TURNS[0], max_new_tokens=4)
+            base = f"http://127.0.0.1:{run.http_port}"
+            with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+                text = r.read().decode()
+            for line in (
+                "hcache_cluster_up 1.0",
+                "hcache_cluster_commits_total 1.0",
+                "hcache_cluster_errors_total 0.0",
+            ):
+                assert line in text
+            assert 'hcache_restores_by_source_total{source="local"}' in text
+            assert "hcache_cluster_written_bytes_total" in text and "hcache_cluster_lease_takeovers_total" in text
             cluster.stop()
             with pytest.raises(urllib.error.HTTPError) as e:
                 urllib.request.urlopen(ready, timeout=30)
@@ -171,6 +182,10 @@ def test_an_unreachable_cluster_is_not_ready_and_unavailable(default_model, tmp_
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
                 assert "session cluster" in err.value.details() and "unreachable" in err.value.details()
             assert run.store.owner_row(sid).num_tokens > 0  # nothing local is lost
+            time.sleep(LEASE_MS / 1e3)  # the lease thread checks the cluster a few times per lease
+            with urllib.request.urlopen(base + "/api/dashboard", timeout=30) as r:
+                feed = json.load(r)["cluster"]
+            assert not feed["up"] and feed["errors"] >= 2 and feed["replica"] == "replica-a"
     finally:
         run.stop(1)
         cluster.stop()
