@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip
 PIN    := -c requirements/constraints.txt
 ARGS   ?=
 
-.PHONY: serve chat demo test lint proto bench bench-peers bench-serve clean
+.PHONY: serve chat demo cluster-demo test lint proto bench bench-peers bench-serve clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -36,6 +36,12 @@ chat: $(VENV)/.runtime
 
 demo: $(VENV)/.runtime
 	$(VENV)/bin/hcache demo $(ARGS)
+
+# Scale-out on one machine: a 3-master Redis Cluster and two replicas sharing its sessions
+# (gRPC 50051 and 50052); then `hcache chat --target 127.0.0.1:50051,127.0.0.1:50052`.
+cluster-demo: $(VENV)/.runtime
+	command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+	HCACHE=$(VENV)/bin/hcache deploy/cluster-demo.sh
 
 # Regenerate the gRPC stubs in hcache/v1 (committed; a test checks they match the proto).
 proto: $(VENV)/.test
