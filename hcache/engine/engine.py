@@ -103,8 +103,9 @@ class Engine:
         self._check_open()
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         messages += checks.history(history or [])
-        for c in context_ids or [] if self.cluster else []:
-            self._ensure_context(c, tenant)
+        if self.cluster is not None:
+            for c in context_ids or []:
+                self._ensure_context(c, tenant)
         with self.lock:
             checks.session_limit(self.registry.sessions.values(), tenant, self.cfg.max_sessions_per_tenant)
             s = self.registry.create("session", dict(labels or {}), list(context_ids or []), messages, tenant)
