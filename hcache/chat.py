@@ -17,7 +17,7 @@ HELP = "commands: /restore [auto|hidden|kv|recompute]  /evict  /session  /stats 
 
 
 def run(
-    target: str,
+    target: str,  # one replica, or several separated by commas
     session_id: str | None,
     system_prompt: str,
     max_new_tokens: int,

@@ -69,7 +69,11 @@ def parser(base: Config | None = None) -> argparse.ArgumentParser:
     )
     _common(serve, base, only=None)
     chat = sub.add_parser("chat", help="terminal chat client (/restore, /evict, /stats)")
-    chat.add_argument("--target", default="localhost:50051")
+    chat.add_argument(
+        "--target",
+        default="localhost:50051",
+        help="HOST:PORT, or several replicas separated by commas (sessions routed by rendezvous hashing)",
+    )
     chat.add_argument("--session", help="continue this session instead of creating one")
     chat.add_argument("--system", default="", help="system prompt of a new session")
     chat.add_argument("--max-new-tokens", type=int, default=256)

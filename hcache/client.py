@@ -4,10 +4,15 @@ with Client("localhost:50051") as c:
     sid = c.create_session("You are terse.").session_id
     for piece in c.generate(sid, "Hello!"):
         print(piece.text, end="")
-"""
+
+With several replicas (`Client("a:50051,b:50051")`, `hcache serve --cluster`), a session's
+calls go to the replica its id ranks first by rendezvous hashing, and to the next one when
+that one is UNAVAILABLE. Routing only keeps replicas' local caches warm: any replica
+continues any session exactly."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -51,29 +56,101 @@ class _KeyInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIn
         return continuation(self._with_key(details), request)
 
 
+def targets_of(target: str | list[str]) -> list[str]:
+    """`"a:1,b:2"` or `["a:1", "b:2"]` -> the replicas, in the order given, without repeats."""
+    parts = target.split(",") if isinstance(target, str) else list(target)
+    out = list(dict.fromkeys(p.strip() for p in parts if p.strip()))
+    if not out:
+        raise ValueError("no target: give HOST:PORT, or several separated by commas")
+    return out
+
+
+def rendezvous(session_id: str, targets: list[str]) -> list[str]:
+    """The replicas in the order a session tries them: highest random weight first, so a
+    replica that leaves moves only its own sessions, each to its next choice."""
+
+    def weight(t: str) -> int:
+        return int.from_bytes(hashlib.blake2b(f"{t}\0{session_id}".encode(), digest_size=8).digest(), "big")
+
+    return sorted(targets, key=weight, reverse=True)
+
+
 class Client:
     def __init__(
         self,
-        target: str = "localhost:50051",
+        target: str | list[str] = "localhost:50051",
         channel: grpc.Channel | None = None,
         timeout: float = 600,
         api_key: str | None = None,
         root_cert: bytes | None = None,
     ):
-        """`api_key` goes with every call as `authorization: Bearer`; `root_cert` (PEM) turns TLS on."""
-        if channel is None:
-            if root_cert is not None:
-                channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=root_cert))
-            else:
-                channel = grpc.insecure_channel(target)
-        self.channel = channel
-        if api_key:
-            channel = grpc.intercept_channel(channel, _KeyInterceptor(api_key))
-        self.stub = pb_grpc.HCacheStub(channel)
+        """`target`: one replica, or several (a list, or comma-separated). `api_key` goes with
+        every call as `authorization: Bearer`; `root_cert` (PEM) turns TLS on."""
+        self.targets = targets_of(target) if channel is None else ["channel"]
+        self.channels: list[grpc.Channel] = []
+        self.stubs: dict[str, pb_grpc.HCacheStub] = {}
+        for t in self.targets:
+            ch = channel
+            if ch is None:
+                if root_cert is not None:
+                    ch = grpc.secure_channel(t, grpc.ssl_channel_credentials(root_certificates=root_cert))
+                else:
+                    ch = grpc.insecure_channel(t)
+            self.channels.append(ch)
+            if api_key:
+                ch = grpc.intercept_channel(ch, _KeyInterceptor(api_key))
+            self.stubs[t] = pb_grpc.HCacheStub(ch)
+        self.channel = self.channels[0]
+        self.stub = self.stubs[self.targets[0]]
         self.timeout = timeout
+        self._next = 0  # calls without a session go round the replicas
 
     def close(self) -> None:
-        self.channel.close()
+        for ch in self.channels:
+            ch.close()
+
+    def _order(self, session_id: str | None, spread: bool = False) -> list[str]:
+        """A session's replicas by rendezvous; otherwise the order given (`spread`: round robin)."""
+        if session_id:
+            return rendezvous(session_id, self.targets)
+        if not spread:
+            return self.targets
+        self._next = (self._next + 1) % len(self.targets)
+        return self.targets[self._next :] + self.targets[: self._next]
+
+    def _call(self, session_id: str | None, call: Callable[[pb_grpc.HCacheStub], Any], spread: bool = False) -> Any:
+        """`call` on the session's replica, then on the next while they are UNAVAILABLE."""
+        last: grpc.RpcError | None = None
+        for t in self._order(session_id, spread):
+            try:
+                return call(self.stubs[t])
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                last = e
+        assert last is not None
+        raise last
+
+    def _stream(self, session_id: str, req: Any) -> Iterator[pb.GenerateResponse]:
+        """Generate on the session's replica; the next one only if it was UNAVAILABLE before
+        any of the reply came (a turn is never run twice)."""
+        last: grpc.RpcError | None = None
+        for t in self._order(session_id):
+            stream = self.stubs[t].Generate(req, timeout=self.timeout)
+            try:
+                first = next(stream)
+            except StopIteration:
+                return
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                last = e
+                continue
+            yield first
+            yield from stream
+            return
+        assert last is not None
+        raise last
 
     def __enter__(self) -> Client:
         return self
@@ -85,7 +162,7 @@ class Client:
         self, system_prompt: str = "", context_ids: list[str] | None = None, labels: dict[str, str] | None = None
     ) -> pb.Session:
         req = pb.CreateSessionRequest(system_prompt=system_prompt, context_ids=context_ids or [], labels=labels or {})
-        return self.stub.CreateSession(req, timeout=self.timeout)
+        return self._call(None, lambda s: s.CreateSession(req, timeout=self.timeout), spread=True)
 
     def generate(
         self,
@@ -106,7 +183,9 @@ class Client:
         if seed is not None:
             sampling.seed = seed
         req = pb.GenerateRequest(session_id=session_id, message=message, token_ids=token_ids or [], sampling=sampling)
-        return self.stub.Generate(req, timeout=self.timeout)
+        if len(self.targets) == 1:
+            return self.stub.Generate(req, timeout=self.timeout)
+        return self._stream(session_id, req)
 
     def reply(self, session_id: str, message: str = "", **kw: object) -> Reply:
         """One whole turn."""
@@ -125,23 +204,27 @@ class Client:
     def restore(self, session_id: str, method: str = "auto") -> pb.RestoreResponse:
         if method not in METHODS:
             raise ValueError(f"method must be one of {sorted(METHODS)}")
-        return self.stub.RestoreSession(
-            pb.RestoreRequest(session_id=session_id, method=METHODS[method]), timeout=self.timeout
-        )
+        req = pb.RestoreRequest(session_id=session_id, method=METHODS[method])
+        return self._call(session_id, lambda s: s.RestoreSession(req, timeout=self.timeout))
 
     def evict(self, session_id: str) -> pb.Session:
-        return self.stub.EvictSession(pb.SessionRef(session_id=session_id), timeout=self.timeout)
+        ref = pb.SessionRef(session_id=session_id)
+        return self._call(session_id, lambda s: s.EvictSession(ref, timeout=self.timeout))
 
     def delete(self, session_id: str) -> None:
-        self.stub.DeleteSession(pb.SessionRef(session_id=session_id), timeout=self.timeout)
+        ref = pb.SessionRef(session_id=session_id)
+        self._call(session_id, lambda s: s.DeleteSession(ref, timeout=self.timeout))
 
     def get(self, session_id: str) -> pb.Session:
-        return self.stub.GetSession(pb.SessionRef(session_id=session_id), timeout=self.timeout)
+        ref = pb.SessionRef(session_id=session_id)
+        return self._call(session_id, lambda s: s.GetSession(ref, timeout=self.timeout))
 
     def list(self, page_size: int = 100) -> Iterator[pb.Session]:
+        """The sessions of one replica (the first that answers)."""
         token = ""
         while True:
-            r = self.stub.ListSessions(pb.ListSessionsRequest(page_size=page_size, page_token=token))
+            req = pb.ListSessionsRequest(page_size=page_size, page_token=token)
+            r = self._call(None, lambda s, req=req: s.ListSessions(req))
             yield from r.sessions
             if not r.next_page_token:
                 return
@@ -151,10 +234,11 @@ class Client:
         self, text: str = "", token_ids: list[int] | None = None, labels: dict[str, str] | None = None
     ) -> pb.Context:
         req = pb.PrecomputeContextRequest(text=text, token_ids=token_ids or [], labels=labels or {})
-        return self.stub.PrecomputeContext(req, timeout=self.timeout)
+        return self._call(None, lambda s: s.PrecomputeContext(req, timeout=self.timeout), spread=True)
 
     def stats(self) -> pb.Stats:
-        return self.stub.GetStats(empty_pb2.Empty(), timeout=self.timeout)
+        """One replica's figures (the first that answers)."""
+        return self._call(None, lambda s: s.GetStats(empty_pb2.Empty(), timeout=self.timeout))
 
 
 def wait_for_server(target: str, timeout: float = 120, alive: Callable[[], bool] = lambda: True) -> None:

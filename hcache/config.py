@@ -258,6 +258,11 @@ class ServerConfig:
     )
     tls_cert_file: str = setting("", "PEM certificate chain (with --tls-key: serve TLS)", flag="--tls-cert")
     tls_key_file: str = setting("", "PEM private key", flag="--tls-key")
+    cluster: str = setting(
+        "", "redis://HOST:PORT[,HOST:PORT...]: share sessions with other replicas through Redis (empty: none)"
+    )
+    lease_ms: int = setting(10_000, "cluster mode: a turn's lease on its session; a dead replica's expires after this")
+    replica_name: str = setting("", "cluster mode: this replica's name in lease messages (empty: host/pid/random)")
 
 
 @dataclass

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
 from hcache.config import EngineConfig, StorageConfig
+from hcache.engine.cluster import ClusterLink
 from hcache.engine.engine import Engine
 from hcache.engine.generate import generate
 from hcache.engine.sampler import SamplingParams
@@ -34,7 +35,12 @@ def profile_for(model: DecoderModel) -> Profile:
 
 
 def make_engine(
-    model: DecoderModel, tok: Tokenizer, dirs: list[Path], storage: dict | None = None, **cfg: object
+    model: DecoderModel,
+    tok: Tokenizer,
+    dirs: list[Path],
+    storage: dict | None = None,
+    cluster: ClusterLink | None = None,
+    **cfg: object,
 ) -> tuple[Engine, ChunkStore]:
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
@@ -42,7 +48,7 @@ def make_engine(
         StorageConfig([str(d) for d in dirs], **(storage or {})), model.cfg, model.dtype, str(model.device)
     )
     ecfg = EngineConfig(**{"store_kinds": "both", "kv_budget_bytes": 64 << 20, **cfg})  # type: ignore[arg-type]
-    return Engine(model, tok, store, profile_for(model), ecfg), store
+    return Engine(model, tok, store, profile_for(model), ecfg, cluster=cluster), store
 
 
 def reference(model: DecoderModel, ids: list[int], params: SamplingParams, stop_ids: set[int]) -> list[int]:

@@ -19,11 +19,12 @@ from hcache import omp
 from hcache.config import EngineConfig
 from hcache.engine import checks
 from hcache.engine.block_pool import BlockPool
-from hcache.engine.errors import EngineError, FailedPrecondition, InvalidArgument, Unavailable
+from hcache.engine.cluster import ClusterLink
+from hcache.engine.errors import EngineError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from hcache.engine.finisher import Finisher
 from hcache.engine.generate import common_prefix
 from hcache.engine.reclaimer import Reclaimer
-from hcache.engine.records import Counters, EngineSnapshot, RestoreResult, SessionRow, StorageState
+from hcache.engine.records import Counters, EngineSnapshot, RestoreResult, SessionMeta, SessionRow, StorageState
 from hcache.engine.runner import Runner
 from hcache.engine.sampler import SamplingParams
 from hcache.engine.scheduler import Scheduler
@@ -35,7 +36,8 @@ from hcache.model.base import DecoderModel
 from hcache.model.tokenizer import Tokenizer
 from hcache.restore.plan import Method
 from hcache.restore.profile import Profile
-from hcache.storage.errors import StorageError
+from hcache.storage.catalogue import Lease, Record
+from hcache.storage.errors import LeaseHeld, StorageError, UnknownOwner
 from hcache.storage.store import ChunkStore
 
 log = logging.getLogger(__name__)
@@ -53,8 +55,11 @@ class Engine:
         cfg: EngineConfig | None = None,
         model_name: str = "",
         telemetry: Telemetry | None = None,
+        cluster: ClusterLink | None = None,
     ):
+        """`cluster`: sessions live in a shared catalogue (`--cluster`); the store caches them."""
         self.model, self.tok, self.store, self.profile = model, tokenizer, store, profile
+        self.cluster = cluster
         self.cfg = cfg or EngineConfig()
         self.model_name = model_name
         self.telemetry = telemetry or Telemetry()
@@ -75,7 +80,8 @@ class Engine:
             graph = self.runner.graph
             omp.on_worker(lambda: graph.warm(self.pool.k, self.pool.v, self.pool.num_blocks - 1))
         self._wake = threading.Event()
-        self.finisher = Finisher(store, self.scheduler, self.lock, tokenizer.decode, self._turn_ended)
+        self.finisher = Finisher(store, self.scheduler, self.lock, tokenizer.decode, self._turn_ended, cluster)
+        self._adopting = threading.Lock()  # one context recomputed from the cluster at a time
         self.settled = threading.Condition(self.lock)  # a session the reclaimer held is free again
         self.reclaimer = Reclaimer(
             store, self.registry, self.lock, self.settled, self.cfg, self.counters, self.scheduler.evict, self._wake.set
@@ -100,9 +106,15 @@ class Engine:
         self._check_open()
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         messages += checks.history(history or [])
+        if self.cluster is not None:
+            for c in context_ids or []:
+                self._ensure_context(c, tenant)
         with self.lock:
             checks.session_limit(self.registry.sessions.values(), tenant, self.cfg.max_sessions_per_tenant)
-            return self.registry.create("session", dict(labels or {}), list(context_ids or []), messages, tenant)
+            s = self.registry.create("session", dict(labels or {}), list(context_ids or []), messages, tenant)
+        if self.cluster is not None:
+            self._publish(s)
+        return s
 
     def precompute_context(
         self,
@@ -125,6 +137,14 @@ class Engine:
             ctx = self.registry.create("context", dict(labels or {}), [], [], tenant)
             ctx.busy = True
         seq = self._sequence(ctx, ids, 0, SamplingParams(max_new_tokens=1), [], sample=False)
+        if self.cluster is not None:
+            try:
+                self._publish(ctx)
+                seq.lease, _ = self.cluster.lease(ctx.id)
+            except BaseException:
+                with self.lock:
+                    ctx.busy = False
+                raise
         self._submit(seq)
         self._wait(seq)
         return ctx
@@ -148,6 +168,31 @@ class Engine:
         cap = self.model.cfg.max_position
         checks.sampling(params, stops, cap)
         checks.exactly_one(message, token_ids, "a turn is a non-empty message or a list of token_ids (exactly one)")
+        lease = None
+        if self.cluster is not None:
+            lease = self._lease(session_id, tenant)
+        try:
+            seq = self._queue_turn(session_id, message, token_ids, params, stops, tenant, events)
+        except BaseException:
+            if lease is not None and self.cluster is not None:
+                self.cluster.release(lease)
+            raise
+        seq.lease = lease
+        self._submit(seq)
+        return seq
+
+    def _queue_turn(
+        self,
+        session_id: str,
+        message: str,
+        token_ids: list[int] | None,
+        params: SamplingParams,
+        stops: list[str],
+        tenant: str | None,
+        events: EventSink | None,
+    ) -> Sequence:
+        """The turn's sequence, checked; the session is busy with it from here."""
+        cap = self.model.cfg.max_position
         with self.lock:
             s = self.reclaimer.settle(session_id, tenant)
             checks.usable(s)
@@ -157,7 +202,7 @@ class Engine:
             if message:
                 ids = s.prefix + self.tok.encode_chat([*s.messages, {"role": "user", "content": message}])
             else:
-                ids = s.tokens + ([s.pending] if s.pending is not None else []) + list(token_ids or [])
+                ids = s.acknowledged + ([s.pending] if s.pending is not None else []) + list(token_ids or [])
             checks.tokens(ids, self.model.cfg.vocab_size)
             if len(ids) > cap:
                 raise InvalidArgument(f"prompt of {len(ids)} tokens exceeds the model's context of {cap}")
@@ -171,9 +216,10 @@ class Engine:
                 seq.events = events  # type: ignore[assignment]
             if self.cfg.restore_method != "auto":
                 seq.restore_method = Method(self.cfg.restore_method)
+            if self.cluster is not None and s.history is not None:  # turns run elsewhere, recomputed here
+                self.cluster.counters.recomputed_tokens += max(0, len(s.history) - keep)
             s.mode = mode
             s.busy = True
-        self._submit(seq)
         return seq
 
     def restore(self, session_id: str, method: Method | None = None, tenant: str | None = None) -> RestoreResult:
@@ -203,7 +249,19 @@ class Engine:
             return s
 
     def delete(self, session_id: str, tenant: str | None = None) -> None:
-        """Delete a session, or a context no session uses."""
+        """Delete a session, or a context no session uses (here; in cluster mode, anywhere)."""
+        if self.cluster is not None:
+            lease = self._lease(session_id, tenant, any_kind=True)
+            try:
+                with self.lock:
+                    s = self.reclaimer.settle(session_id, tenant, self.registry.sessions[session_id].kind)
+                    checks.not_busy(s)
+                    if s.kind == "context" and any(o.parent == s.id for o in self.registry.sessions.values()):
+                        raise FailedPrecondition(f"context {s.id} is shared by sessions here; delete them first")
+                self.cluster.delete(lease)
+            except BaseException:
+                self.cluster.release(lease)
+                raise
         with self.lock:
             s = self.registry.sessions.get(session_id)
             kind = s.kind if s is not None else "session"
@@ -213,6 +271,14 @@ class Engine:
             self.registry.delete(s)
 
     def get(self, session_id: str, tenant: str | None = None) -> Session:
+        if self.cluster is not None:  # the cluster's word on its turns, even if this replica never ran one
+            rec = self._record(session_id, tenant)
+            with self.lock:
+                s = self.registry.sessions.get(session_id)
+                if s is None or s.kind != "session":
+                    return self._view(rec)
+                self.registry.refresh(s, rec)
+                return s
         with self.lock:
             return self.registry.get(session_id, tenant=tenant)
 
@@ -252,6 +318,8 @@ class Engine:
         self._wake.set()
         self._thread.join()
         self.finisher.close()
+        if self.cluster is not None:
+            self.cluster.close()
 
     def snapshot(self) -> EngineSnapshot:
         """The state GetStats, /metrics and the dashboard show, read at once."""
@@ -274,6 +342,7 @@ class Engine:
                 budget_bytes=self.pool.num_blocks * per_block,
                 recent=[SessionRow.of(s) for s in recent],
                 storage=storage,
+                cluster=self.cluster.state() if self.cluster is not None else None,
             )
 
     # --- helpers -------------------------------------------------------------------
@@ -285,6 +354,85 @@ class Engine:
         """A turn became durable: the loop may admit more, and the store has grown."""
         self._wake.set()
         self.reclaimer.wake.set()
+
+    # --- cluster mode (every network call outside the lock) -------------------------
+    def _publish(self, s: Session) -> None:
+        """A new session or context's record goes to the cluster; without it, it is not created."""
+        assert self.cluster is not None
+        try:
+            self.cluster.create(self.registry.record(s))
+        except BaseException:
+            with self.lock:
+                self.registry.delete(s)
+            raise
+
+    def _record(self, sid: str, tenant: str | None, kind: str | None = "session") -> Record:
+        """The cluster's record; another tenant's is as unknown as a missing one."""
+        assert self.cluster is not None
+        rec = self.cluster.get(sid)
+        if rec is None or (kind is not None and rec.kind != kind) or (tenant is not None and rec.tenant != tenant):
+            raise NotFound(f"{kind or 'session'} {sid[:64]!r} not found")
+        return rec
+
+    def _lease(self, sid: str, tenant: str | None, any_kind: bool = False) -> Lease:
+        """The session's lease, its context recomputed here if this replica lacks it, and the
+        local session adopted or brought up to the record's last turn."""
+        assert self.cluster is not None
+        try:
+            lease, rec = self.cluster.lease(sid)
+        except UnknownOwner:
+            raise NotFound(f"session {sid[:64]!r} not found") from None
+        except LeaseHeld as e:
+            if e.holder != self.cluster.holder:
+                raise
+            raise FailedPrecondition(f"session {sid} is busy with another request") from None
+        try:
+            if (tenant is not None and rec.tenant != tenant) or (rec.kind != "session" and not any_kind):
+                raise NotFound(f"session {sid[:64]!r} not found")
+            parent = rec.meta.get("parent")
+            if parent:
+                self._ensure_context(parent, tenant)
+            with self.lock:
+                s = self.registry.sessions.get(sid)
+                if s is None:
+                    self.registry.adopt(rec)
+                    self.cluster.counters.adoptions += 1
+                else:
+                    self.registry.refresh(s, rec)
+        except BaseException:
+            self.cluster.release(lease)
+            raise
+        return lease
+
+    def _ensure_context(self, cid: str, tenant: str | None) -> None:
+        """A context precomputed on another replica: recompute it here from its record's tokens."""
+        assert self.cluster is not None
+        with self._adopting:
+            if cid in self.registry.sessions:
+                return
+            rec = self._record(cid, tenant, "context")
+            if not rec.tokens:
+                raise FailedPrecondition(f"context {cid} is still being computed on another replica")
+            with self.lock:
+                ctx = self.registry.adopt(rec)
+                ctx.busy = True
+            self.cluster.counters.adoptions += 1
+            self.cluster.counters.recomputed_tokens += len(rec.tokens)
+            seq = self._sequence(ctx, list(rec.tokens), 0, SamplingParams(max_new_tokens=1), [], sample=False)
+            self._submit(seq)
+            try:
+                self._wait(seq)
+            except BaseException:
+                with self.lock:  # no half-computed context stays here as if it were whole
+                    self.registry.delete(ctx)
+                raise
+
+    @staticmethod
+    def _view(rec: Record) -> Session:
+        """A session this replica holds nothing of, as the cluster records it."""
+        s = Session.from_meta(rec.owner, rec.kind, SessionMeta.from_dict(rec.meta), [], rec.created, rec.updated)
+        s.history = rec.tokens  # its context's tokens are not counted
+        return s
 
     def _check_storage(self, tenant: str | None, more_tokens: int) -> None:
         owners, limit = self.registry.sessions.values(), self.cfg.max_storage_bytes_per_tenant

@@ -1,7 +1,8 @@
 """How a request ends. A finished turn becomes durable off the loop thread (the
-manifest commit waits for its chunks), then its stream's last event goes out and the
-session takes requests again; a failed one takes the session back to its last durable
-turn, which is what the store holds."""
+manifest commit waits for its chunks; in cluster mode the cluster's record is committed
+next, under the turn's lease), then its stream's last event goes out and the session takes
+requests again; a failed one takes the session back to its last durable turn, which is
+what the store holds."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from hcache.engine.cluster import ClusterLink
 from hcache.engine.errors import EngineError, ResourceExhausted
 from hcache.engine.records import SessionMeta
 from hcache.engine.scheduler import Scheduler
@@ -29,8 +31,10 @@ class Finisher:
         lock: threading.RLock,
         decode: Callable[[list[int]], str],
         wake: Callable[[], None],
+        cluster: ClusterLink | None = None,
     ):
         self.store, self.scheduler, self.lock, self.decode, self.wake = store, scheduler, lock, decode, wake
+        self.cluster = cluster
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hcache-durable")
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -61,7 +65,17 @@ class Finisher:
                 else EngineError(f"the turn could not be saved: {e}"),
             )
             return
+        if seq.lease is not None and self.cluster is not None:
+            try:
+                self.cluster.commit(seq.lease, tokens, meta)
+            except StorageError as e:  # ABORTED (taken over) or UNAVAILABLE: not acknowledged
+                log.error("turn of %s not committed to the cluster: %s", s.id, e)
+                self.fail(seq, e)
+                return
+            self.cluster.release(seq.lease)
+            seq.lease = None
         with self.lock:
+            s.history = None
             s.busy = False
             stats = seq.turn_stats()
             if not seq.sample and s.kind == "context":
@@ -79,6 +93,9 @@ class Finisher:
                 seq.session.mode = seq.prev_mode
             seq.phase = Phase.FINISHED
             seq.session.busy = False
+        if seq.lease is not None and self.cluster is not None:
+            self._pool.submit(self.cluster.release, seq.lease)  # a network call: never under the lock
+            seq.lease = None
         seq.error = err
         seq.events.put(Event(error=err))
         seq.done.set()

@@ -12,6 +12,7 @@ from hcache.restore.plan import Plan
 from hcache.storage.store import DirUsage
 
 if TYPE_CHECKING:
+    from hcache.engine.cluster import ClusterState
     from hcache.engine.sequence import Session
     from hcache.storage.store import ChunkStore
 
@@ -163,6 +164,7 @@ class EngineSnapshot:
     budget_bytes: int
     recent: list[SessionRow]  # the most recently used sessions and contexts first
     storage: StorageState
+    cluster: ClusterState | None = None  # cluster mode only
 
 
 @dataclass

@@ -17,6 +17,7 @@ from hcache.engine.prefill import PrefillJob
 from hcache.engine.records import PlanSummary, RestoreResult, SessionMeta, TurnStats
 from hcache.engine.sampler import Sampler, SamplingParams
 from hcache.restore.plan import Method, Plan
+from hcache.storage.catalogue import Lease
 
 
 class Phase(str, Enum):
@@ -51,6 +52,9 @@ class Session:
     last_restore_ms: float = 0.0
     error: str | None = None  # why this session cannot be restored (e.g. another model's state)
     tenant: str | None = None  # the API key's tenant that owns it (None: no keys configured)
+    # the token ids of its last acknowledged turn when those run ahead of (or apart from) the
+    # local state in `tokens`: another replica ran turns on it (cluster mode); None: `tokens`
+    history: list[int] | None = None
 
     @property
     def resident(self) -> bool:
@@ -59,6 +63,11 @@ class Session:
     @property
     def own_tokens(self) -> list[int]:
         return self.tokens[self.base :]
+
+    @property
+    def acknowledged(self) -> list[int]:
+        """The token ids a new turn continues."""
+        return self.history if self.history is not None else self.tokens
 
     def meta(self) -> SessionMeta:
         """What the manifest keeps next to the token ids (restored after a restart)."""
@@ -193,6 +202,7 @@ class Sequence:
     t_last: float = 0.0
     tbt_ms: list[float] = field(default_factory=list)
     prev_mode: str = ""
+    lease: Lease | None = None  # cluster mode: the turn commits under it
 
     @property
     def position(self) -> int:

@@ -18,6 +18,7 @@ from hcache.restore.plan import Method, Plan
 from hcache.restore.profile import Geometry, Profile
 from hcache.restore.sources import SharedSource, StoreSource
 from hcache.restore.state import StateSource
+from hcache.storage.catalogue import Record
 from hcache.storage.layout import Kind, Stored, encode_layer_kinds
 from hcache.storage.store import ChunkStore
 
@@ -77,7 +78,13 @@ class Registry:
         return sum((Kind.HIDDEN in k) * cfg.hidden_size + (Kind.KV in k) * 2 * cfg.kv_dim for k in self.kinds) * elem
 
     def create(
-        self, kind: str, labels: dict[str, str], context_ids: list[str], messages: list[dict], tenant: str | None = None
+        self,
+        kind: str,
+        labels: dict[str, str],
+        context_ids: list[str],
+        messages: list[dict],
+        tenant: str | None = None,
+        sid: str | None = None,
     ) -> Session:
         contexts = [self.get(c, "context", tenant) for c in context_ids]
         for c in contexts:
@@ -86,7 +93,7 @@ class Registry:
         prefix = [t for c in contexts for t in c.tokens]
         first = contexts[0] if contexts else None
         s = Session(
-            id=new_id("ctx-" if kind == "context" else ""),
+            id=sid or new_id("ctx-" if kind == "context" else ""),
             kind=kind,
             prefix=prefix,
             parent=first.id if first else None,
@@ -100,6 +107,40 @@ class Registry:
         self.store.create_owner(s.id, list(self.kinds), self.fingerprint, kind=kind, meta=s.meta().to_dict())
         self.sessions[s.id] = s
         return s
+
+    def record(self, s: Session) -> Record:
+        """What the cluster keeps of a new session or context."""
+        return Record(s.id, s.kind, self.fingerprint, encode_layer_kinds(list(self.kinds)), [], s.meta().to_dict())
+
+    def adopt(self, rec: Record) -> Session:
+        """A session or context first seen in the cluster: its local state is empty (its
+        context's, for a session on one), and `history` holds what its turns fed."""
+        if rec.fingerprint != self.fingerprint:
+            raise FailedPrecondition(f"{rec.kind} {rec.owner} was saved by another model; it cannot be continued here")
+        meta = SessionMeta.from_dict(rec.meta)
+        base: list[int] = []
+        if meta.parent is not None:
+            parent = self.sessions.get(meta.parent)
+            if parent is None or parent.kind != "context":
+                raise FailedPrecondition(f"session {rec.owner} lost its context {meta.parent}")
+            base = list(parent.tokens)
+        self.store.create_owner(rec.owner, list(self.kinds), self.fingerprint, kind=rec.kind, meta=rec.meta)
+        s = Session.from_meta(rec.owner, rec.kind, meta, base, rec.created, rec.updated)
+        self.sessions[s.id] = s
+        self.refresh(s, rec)
+        return s
+
+    @staticmethod
+    def refresh(s: Session, rec: Record) -> None:
+        """The conversation becomes the record's (another replica may have run turns); the
+        local state stays as a cache of its common prefix."""
+        if s.busy:
+            return
+        meta = SessionMeta.from_dict(rec.meta)
+        s.rewind(meta)
+        s.labels, s.updated = meta.labels, rec.updated
+        history = s.tokens[: s.base] + rec.tokens
+        s.history = None if history == s.tokens else history
 
     def delete(self, s: Session) -> None:
         if s.kind == "context":

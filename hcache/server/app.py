@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from hcache import omp
 from hcache.config import Config
+from hcache.engine.cluster import ClusterLink
 from hcache.engine.engine import Engine
 from hcache.engine.telemetry import Telemetry
 from hcache.model.loader import LoadedModel, load
@@ -30,6 +31,7 @@ from hcache.server.interceptors import CountingInterceptor, ParsingInterceptor
 from hcache.server.metrics import Metrics
 from hcache.server.servicer import Servicer
 from hcache.storage.dirs import ensure_dirs
+from hcache.storage.redis_catalogue import RedisCatalogue
 from hcache.storage.store import ChunkStore
 from hcache.v1 import hcache_pb2 as pb
 from hcache.v1 import hcache_pb2_grpc as pb_grpc
@@ -82,15 +84,34 @@ def build_engine(
     warm_up(loaded.model)
     if profile is None:
         profile = profiler.load_or_run(loaded.model, dirs, Path(cfg.profile_dir))
-    store = ChunkStore(cfg.storage, loaded.model.cfg, loaded.model.dtype, cfg.device)
+    link = cluster_link(cfg)  # before the store: an unreachable cluster fails the start at once
+    try:
+        store = ChunkStore(cfg.storage, loaded.model.cfg, loaded.model.dtype, cfg.device)
+    except BaseException:
+        if link is not None:
+            link.close()
+        raise
     try:
         name = str(loaded.source.name)
-        engine = Engine(loaded.model, loaded.tokenizer, store, profile, cfg.engine, name, telemetry)
+        engine = Engine(loaded.model, loaded.tokenizer, store, profile, cfg.engine, name, telemetry, link)
     except Exception:
         store.close()
+        if link is not None:
+            link.close()
         raise
     serve_compiled_only()
     return engine, store
+
+
+def cluster_link(cfg: Config) -> ClusterLink | None:
+    """`--cluster`: the shared session catalogue (a Redis Cluster, or one Redis server)."""
+    s = cfg.server
+    if not s.cluster:
+        return None
+    catalogue = RedisCatalogue(s.cluster, ttl_ms=s.lease_ms)
+    link = ClusterLink(catalogue, s.replica_name or None)
+    log.info("sessions shared through %s as replica %s", s.cluster, link.holder)
+    return link
 
 
 def start(cfg: Config, profile: Profile | None = None, loaded: LoadedModel | None = None) -> Running:

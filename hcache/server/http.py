@@ -1,7 +1,7 @@
 """The HTTP side: an ASGI app (FastAPI) under uvicorn, on the same engine as gRPC.
 /metrics (Prometheus), /healthz (live), /readyz (model loaded, every storage directory
-writable, not draining), /dashboard and its JSON feed, and OpenAI's /v1 API
-(`openai_api.py`). Errors leave in OpenAI's JSON shape, mapped in one place."""
+writable, the session cluster reachable in cluster mode, not draining), /dashboard and its
+JSON feed, and OpenAI's /v1 API (`openai_api.py`). Errors leave in OpenAI's JSON shape, mapped in one place."""
 
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ def readiness(metrics: Metrics) -> tuple[bool, list[str]]:
             os.unlink(name)
         except OSError as err:
             problems.append(f"{d} not writable: {err.strerror}")
+    if e.cluster is not None:
+        problems += e.cluster.problems()
     return not problems, problems
 
 

@@ -9,12 +9,14 @@ import time
 from collections import Counter as Tally
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hcache.engine.cluster import ClusterState
 from hcache.engine.records import StorageState
 from hcache.engine.telemetry import Telemetry
 
@@ -151,8 +153,20 @@ class Metrics(Telemetry):
                 for b in self._buckets
             ]
         c = snap.counters
+        cl = snap.cluster
+        cluster = None
+        if cl is not None:
+            cluster = {
+                "url": cl.url,
+                "replica": cl.replica,
+                "up": not cl.problems,
+                "problems": cl.problems,
+                "checked": cl.checked,
+                **asdict(cl.counters),
+            }
         return {
             "time": snap.time,
+            "cluster": cluster,
             "model": snap.model,
             "draining": snap.draining,
             "sessions": rows,
@@ -230,3 +244,33 @@ class _StateCollector(Collector):
             used.add_metric([u.path], u.used_bytes)
             free.add_metric([u.path], u.fs_free_bytes)
         yield from (rd, wr, used, free)
+        by_source = CounterMetricFamily(
+            "hcache_restores_by_source", "Session state brought back, by where it came from", labels=["source"]
+        )
+        by_source.add_metric(["local"], c.restores)
+        if snap.cluster is not None:
+            by_source.add_metric(["recompute"], snap.cluster.counters.adoptions)
+        yield by_source
+        if snap.cluster is not None:
+            yield from _cluster_metrics(snap.cluster)
+
+
+def _cluster_metrics(cl: ClusterState) -> Iterator[Metric]:
+    k = cl.counters
+    yield GaugeMetricFamily("hcache_cluster_up", "1 when the session cluster answered the last check", not cl.problems)
+    yield CounterMetricFamily("hcache_cluster_read_bytes", "Record bytes read from the cluster", k.bytes_read)
+    yield CounterMetricFamily("hcache_cluster_written_bytes", "Record bytes written to the cluster", k.bytes_written)
+    yield CounterMetricFamily("hcache_cluster_commits", "Turns acknowledged after their record commit", k.commits)
+    yield CounterMetricFamily(
+        "hcache_cluster_lease_takeovers", "Leases taken after their holder let them expire", k.takeovers
+    )
+    yield CounterMetricFamily(
+        "hcache_cluster_lease_conflicts", "Turns refused: another replica held the session", k.lease_conflicts
+    )
+    yield CounterMetricFamily(
+        "hcache_cluster_refused_commits", "Late commits fenced off by the epoch", k.refused_commits
+    )
+    yield CounterMetricFamily("hcache_cluster_errors", "Calls that could not reach the cluster", k.errors)
+    yield CounterMetricFamily(
+        "hcache_cluster_recomputed_tokens", "Tokens of cluster records recomputed here", k.recomputed_tokens
+    )

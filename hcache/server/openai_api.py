@@ -32,7 +32,7 @@ from hcache.engine.records import TurnStats
 from hcache.engine.sampler import SamplingParams
 from hcache.engine.sequence import Event, Sequence, Session
 from hcache.server.auth import digest
-from hcache.storage.errors import StorageError, StorageFull, UnknownOwner
+from hcache.storage.errors import ClusterUnavailable, LeaseHeld, LeaseLost, StorageError, StorageFull, UnknownOwner
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
@@ -72,6 +72,10 @@ def error_of(e: Exception) -> JSONResponse:
         return error_response(404, str(e), "not_found")
     if isinstance(e, StorageFull):
         return error_response(429, str(e), "storage_full")
+    if isinstance(e, (LeaseHeld, LeaseLost)):
+        return error_response(409, str(e), "session_leased")
+    if isinstance(e, ClusterUnavailable):
+        return error_response(503, str(e), "cluster_unavailable")
     if isinstance(e, StorageError):
         return error_response(409, str(e), "storage")
     log.error("internal error", exc_info=e)

@@ -19,7 +19,14 @@ from hcache.engine.sampler import SamplingParams
 from hcache.engine.sequence import Event, Session
 from hcache.restore.plan import Method
 from hcache.server.auth import tenant_var
-from hcache.storage.errors import StorageError, StorageFull, UnknownOwner
+from hcache.storage.errors import (
+    ClusterUnavailable,
+    LeaseHeld,
+    LeaseLost,
+    StorageError,
+    StorageFull,
+    UnknownOwner,
+)
 from hcache.v1 import hcache_pb2 as pb
 from hcache.v1 import hcache_pb2_grpc as pb_grpc
 
@@ -41,6 +48,10 @@ def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.NOT_FOUND, str(e)
     if isinstance(e, StorageFull):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+    if isinstance(e, (LeaseHeld, LeaseLost)):  # another replica runs (or took over) the session
+        return grpc.StatusCode.ABORTED, str(e)
+    if isinstance(e, ClusterUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(e)
     if isinstance(e, StorageError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(e)
     return grpc.StatusCode.INTERNAL, "internal error; see the server log"
@@ -72,7 +83,7 @@ def plan_pb(p: PlanSummary) -> pb.Plan:
 def session_pb(s: Session) -> pb.Session:
     return pb.Session(
         session_id=s.id,
-        num_tokens=len(s.tokens),
+        num_tokens=len(s.acknowledged),
         resident=s.resident,
         labels=s.labels,
         context_ids=s.context_ids,

@@ -44,6 +44,40 @@ function cell(tr, text, cls) {
   return td;
 }
 
+function tileRow(id, items) {
+  const box = document.getElementById(id);
+  box.replaceChildren(...items.map(([k, v, bad]) => {
+    const d = document.createElement("div");
+    d.className = "tile" + (bad ? " bad" : "");
+    d.dataset.key = k;
+    const b = document.createElement("b");
+    b.textContent = v;
+    d.append(b, k);
+    return d;
+  }));
+}
+
+// cluster mode (`hcache serve --cluster`): reachability, this replica, leases and record traffic
+function cluster(c) {
+  const section = document.getElementById("cluster");
+  section.hidden = !c;
+  if (!c) return;
+  tileRow("cluster-tiles", [
+    ["state", c.up ? "up" : "unreachable", !c.up],
+    ["replica", c.replica],
+    ["cluster", c.url],
+    ["commits", c.commits],
+    ["lease takeovers", c.takeovers],
+    ["lease conflicts", c.lease_conflicts],
+    ["fenced commits", c.refused_commits, c.refused_commits > 0],
+    ["errors", c.errors, c.errors > 0],
+    ["adopted sessions", c.adoptions],
+    ["recomputed tokens", c.recomputed_tokens],
+    ["read / written", `${fmtBytes(c.bytes_read)} / ${fmtBytes(c.bytes_written)}`],
+  ]);
+  section.title = c.problems.join("\n");
+}
+
 function tiles(t) {
   const items = [
     ["sessions", t.sessions], ["resident", t.resident_sessions],
@@ -95,6 +129,7 @@ function draw(d) {
   st.textContent = `updated ${new Date(d.time * 1000).toLocaleTimeString()}`;
   st.className = "";
   tiles(d.totals);
+  cluster(d.cluster);
   tableRows("storage", d.storage, (tr, s) => {
     cell(tr, s.path);
     cell(tr, fmtBytes(s.used_bytes), "num");

@@ -1,0 +1,177 @@
+"""The engine's side of a shared session catalogue (`--cluster`): the lease a turn runs
+under, kept alive while it runs, and the turn's commit, after which it is acknowledged.
+Nothing here holds the engine's lock: a slow or unreachable cluster never stalls the loop."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from hcache.storage.catalogue import Catalogue, Lease, Record
+from hcache.storage.errors import ClusterUnavailable, LeaseHeld, StorageError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    """What operators see of the cluster (no network call: the lease thread keeps it)."""
+
+    url: str
+    replica: str
+    problems: list[str]  # as of the last check (empty: reachable and serving)
+    checked: float  # Unix time of that check
+    counters: ClusterCounters
+
+
+@dataclass
+class ClusterCounters:
+    """Totals since the engine started."""
+
+    commits: int = 0  # turns acknowledged after their record was committed
+    lease_conflicts: int = 0  # turns refused: another replica held the session
+    takeovers: int = 0  # leases taken after their holder let them expire (it died)
+    refused_commits: int = 0  # late commits the epoch fenced off
+    errors: int = 0  # calls that could not reach the cluster
+    adoptions: int = 0  # sessions this replica first saw in the cluster
+    recomputed_tokens: int = 0  # tokens of cluster records recomputed here (no local state)
+    bytes_read: int = 0  # records read
+    bytes_written: int = 0  # records committed
+
+
+def replica_name() -> str:
+    """Unique per process: two replicas on one host (or in one test) differ."""
+    return f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(2)}"
+
+
+def record_bytes(rec: Record) -> int:
+    return 4 * len(rec.tokens) + len(str(rec.meta))
+
+
+class ClusterLink:
+    def __init__(self, catalogue: Catalogue, holder: str | None = None, renew_every_s: float | None = None):
+        self.cat = catalogue
+        self.holder = holder or replica_name()
+        ttl = getattr(catalogue, "ttl_ms", 10_000) / 1e3
+        self.renew_every_s = renew_every_s or ttl / 3
+        self.counters = ClusterCounters()
+        self._held: dict[str, Lease] = {}
+        self._problems: list[str] = []
+        self._checked = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name="hcache-leases", daemon=True)
+        self._thread.start()
+
+    def _count_error(self, e: Exception) -> None:
+        if isinstance(e, ClusterUnavailable):
+            self.counters.errors += 1
+
+    def get(self, owner: str) -> Record | None:
+        try:
+            rec = self.cat.get(owner)
+        except StorageError as e:
+            self._count_error(e)
+            raise
+        if rec is not None:
+            self.counters.bytes_read += record_bytes(rec)
+        return rec
+
+    def create(self, rec: Record) -> None:
+        try:
+            self.cat.create(rec)
+        except StorageError as e:
+            self._count_error(e)
+            raise
+        self.counters.bytes_written += record_bytes(rec)
+
+    def lease(self, owner: str) -> tuple[Lease, Record]:
+        """The session's lease and its record as of the last acknowledged turn."""
+        try:
+            lease = self.cat.acquire(owner, self.holder)
+        except LeaseHeld:
+            self.counters.lease_conflicts += 1
+            raise
+        except StorageError as e:
+            self._count_error(e)
+            raise
+        try:
+            rec = self.get(owner)
+            if rec is None:
+                raise StorageError(f"session {owner} was deleted")
+        except BaseException:
+            self.release(lease)
+            raise
+        self.counters.takeovers += lease.takeover
+        if lease.takeover:
+            log.warning("took over session %s (epoch %d): its last holder's lease expired", owner, lease.epoch)
+        with self._lock:
+            self._held[owner] = lease
+        return lease, rec
+
+    def commit(self, lease: Lease, tokens: list[int], meta: dict[str, Any]) -> None:
+        """The turn becomes the record's: it may be acknowledged."""
+        try:
+            self.cat.commit_turn(lease, tokens, meta)
+        except StorageError as e:
+            self._count_error(e)
+            if not isinstance(e, ClusterUnavailable):
+                self.counters.refused_commits += 1
+            raise
+        self.counters.commits += 1
+        self.counters.bytes_written += 4 * len(tokens) + len(str(meta))
+
+    def delete(self, lease: Lease) -> None:
+        try:
+            self.cat.delete(lease)
+        except StorageError as e:
+            self._count_error(e)
+            raise
+        finally:
+            with self._lock:
+                self._held.pop(lease.owner, None)
+
+    def release(self, lease: Lease) -> None:
+        """Best effort: a lease not given back expires."""
+        with self._lock:
+            if self._held.get(lease.owner) == lease:
+                del self._held[lease.owner]
+        try:
+            self.cat.release(lease)
+        except StorageError as e:
+            self._count_error(e)
+            log.warning("releasing the lease of %s: %s", lease.owner, e)
+
+    def problems(self) -> list[str]:
+        """Asks the cluster now."""
+        self._problems, self._checked = self.cat.problems(), time.time()
+        return self._problems
+
+    def state(self) -> ClusterState:
+        url = getattr(self.cat, "url", self.cat.name)
+        return ClusterState(url, self.holder, list(self._problems), self._checked, replace(self.counters))
+
+    def _renew(self) -> None:
+        self.problems()
+        while not self._stop.wait(self.renew_every_s):
+            self.problems()
+            with self._lock:
+                held = list(self._held.values())
+            for lease in held:
+                try:
+                    if not self.cat.renew(lease):
+                        log.warning("lost the lease of %s (epoch %d): its commit is refused", lease.owner, lease.epoch)
+                except StorageError as e:
+                    self._count_error(e)
+                    log.warning("renewing the lease of %s: %s", lease.owner, e)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.cat.close()
