@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import random
+import resource
 import statistics
 import tempfile
 import time
@@ -237,10 +238,24 @@ def hcache_rows(args: argparse.Namespace, doc: list[int], turn: list[int]) -> tu
             rows.append(row)
             print(f"hcache {n}: {row}", flush=True)
         decode = _hcache_decode(engine, doc, args.batches, args.decode_prompt, args.decode_steps)
+        decode |= _memory(lm.model)
     finally:
         engine.close()
         store.close()
     return rows, decode
+
+
+def _memory(model: torch.nn.Module) -> dict[str, float]:
+    """Resident weights (each storage once: a tied head shares the embedding's) against
+    the GGUF file, and the process's peak RSS so far (before llama.cpp loads)."""
+    seen: dict[int, int] = {}
+    for t in model.state_dict().values():
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return {
+        "weights_mb": sum(seen.values()) / 1e6,
+        "gguf_mb": default_model_path().stat().st_size / 1e6,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3,
+    }
 
 
 def _last_stats(engine: Engine, seq: Sequence) -> TurnStats:
@@ -256,7 +271,11 @@ def _hcache_decode(engine: Engine, doc: list[int], batches: list[int], prompt: i
             engine.generate(s.id, token_ids=[doc[(i * 7 + j) % len(doc)] for j in range(prompt)], params=params)
             for i, s in enumerate(sessions)
         ]
+        engine.runner.step_ms.clear()
         stats = [_last_stats(engine, q) for q in seqs]
+        if b == 1 and engine.runner.graph is not None:  # Python around the compiled graph
+            steps_ms = list(engine.runner.step_ms)[len(engine.runner.step_ms) // 2 :]
+            out["host_ms_b1"] = statistics.median(step - graph for step, graph in steps_ms)
         # steps where every sequence decodes together: the later half of each sequence's gaps
         gaps = [g for st in stats for g in st.tbt_ms[len(st.tbt_ms) // 2 :]]
         med = statistics.median(gaps)

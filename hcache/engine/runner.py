@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -31,6 +32,9 @@ class Runner:
     def __init__(self, model: DecoderModel, store: ChunkStore, cfg: EngineConfig):
         self.model, self.store, self.cfg = model, store, cfg
         self.graph = DecodeGraph(model) if cfg.decode == "compiled" else None
+        # recent decode steps: (whole step, the compiled graph's call) in ms; the difference
+        # is the host's Python work around it (tables, staging, sampling)
+        self.step_ms: deque[tuple[float, float]] = deque(maxlen=512)
 
     def start(self, seq: Sequence, plan: Plan | None, source: StateSource | None) -> None:
         """The turn's job: restore by `plan` from `source` (when not resident), then prefill."""
@@ -94,6 +98,8 @@ class Runner:
     def decode(self, batch: list[Sequence]) -> list[int]:
         """Feed each sequence's last sampled token; returns the next one of each."""
         m = self.model
+        t0 = time.perf_counter()
+        graph_ms = 0.0
         caches: list[PagedCache] = []
         for q in batch:
             assert q.session.cache is not None  # a decoding sequence's session is resident
@@ -101,7 +107,9 @@ class Runner:
         positions = [q.position for q in batch]
         staged = self.store.acquire([(q.session.id, q.position - q.session.base, 1) for q in batch])
         if self.graph is not None:
+            t1 = time.perf_counter()
             logits = self._graph_step(batch, caches, positions, staged.hidden)
+            graph_ms = (time.perf_counter() - t1) * 1e3
         else:
             tokens = torch.tensor([q.generated[-1] for q in batch], device=m.device)
             h = m(tokens, torch.tensor(positions, device=m.device), BatchCache(caches, [1] * len(batch)), staged.hidden)
@@ -112,6 +120,7 @@ class Runner:
             q.session.tokens.append(q.generated[-1])
             assert q.sampler is not None
             out.append(q.sampler(logits[i]))
+        self.step_ms.append(((time.perf_counter() - t0) * 1e3, graph_ms))
         return out
 
     def _graph_step(
