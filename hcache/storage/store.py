@@ -246,6 +246,12 @@ class ChunkStore:
         per_chunk = sum(self.shapes[k].slot_bytes for ks in self.layer_kinds(self.owner_row(owner)) for k in ks)
         return (num_chunks(start % CHUNK_TOKENS + n) + 1) * per_chunk
 
+    def stored_bytes(self, owner: str) -> int:
+        """The bytes of the owner's committed chunks (what releasing all of it would free,
+        besides the extents reserved for it)."""
+        index = self.placement.chunk_index(owner)
+        return sum(len(rows) * self.shapes[Kind(kind)].slot_bytes for (_, kind), rows in index.items())
+
     def release(self, owner: str, nbytes: int) -> int:
         """Give up the owner's stored layers, in `release_order`, until at least `nbytes` are
         free (or it stores nothing). Token ids and records stay: what is given up is restored
@@ -258,8 +264,10 @@ class ChunkStore:
         for layer, kind in release_order(kinds):
             if estimate >= nbytes:
                 break
-            drop.add((layer, kind))
-            estimate += len(index.get((layer, kind.value), {})) * self.shapes[kind].slot_bytes
+            chunks = len(index.get((layer, kind.value), {}))
+            if chunks:  # giving up a layer with nothing in it frees nothing and demotes for good
+                drop.add((layer, kind))
+                estimate += chunks * self.shapes[kind].slot_bytes
         if not drop:
             return 0
         left = [ks - {k for la, k in drop if la == layer} for layer, ks in enumerate(kinds)]

@@ -102,6 +102,21 @@ def test_release_records_what_is_left_and_frees_slots(tmp_path) -> None:
         check_stored(st, "b")
 
 
+def test_an_owner_with_no_chunks_gives_up_nothing(tmp_path) -> None:
+    with open_store(dirs_in(tmp_path)) as st:
+        st.create_owner("new", KINDS, "fp")  # created, no turn yet
+        assert st.stored_bytes("new") == 0
+        assert st.release("new", 1 << 40) == 0
+        assert st.owner_row("new").layer_kinds == "-HKHK"  # it still stores its first turn
+        assert st.stats.demotions == 0
+        save(st, "new", 0, 130)
+        st.mark_durable("new", list(range(130)))
+        held = st.stored_bytes("new")
+        assert 0 < held <= st.space().used
+        assert st.release("new", 1 << 40) >= held
+        assert st.stored_bytes("new") == 0
+
+
 def test_released_slots_take_new_chunks_under_a_quota(tmp_path) -> None:
     dirs = dirs_in(tmp_path, 1)
     with open_store(dirs, max_bytes=1 << 20) as st:
