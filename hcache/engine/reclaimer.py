@@ -3,7 +3,12 @@ watermark, the chunks of the least recently used idle sessions are given up (the
 `release`, cheapest layers first) until it is back at the high watermark; with a TTL,
 sessions idle longer than that are deleted, records included. Nothing here runs on a
 turn's path: a session is picked under the engine's lock, marked `releasing` (a request
-for it waits, briefly, in `settle`) and released outside the lock."""
+for it waits, briefly, in `settle`) and released outside the lock.
+
+A busy session (a turn in flight, or not yet durable) is never touched. An idle resident
+session is evicted from memory first, as the scheduler's LRU eviction does (its state is
+durable, so that is free), and released only once nothing idle and not resident is left:
+resident sessions can hold far more state than a small store, and would otherwise pin it."""
 
 from __future__ import annotations
 
@@ -60,12 +65,13 @@ class Reclaimer:
 
     def has_room(self, seq: Sequence) -> bool:
         """Whether the store has room for what the turn will save. When it has not, releases
-        are asked for and the turn waits (at most ROOM_WAIT_S: when nothing idle is left to
-        release, the turn runs and a full store refuses it as before)."""
+        are asked for and the turn waits (at most ROOM_WAIT_S: when what other turns hold
+        does not come free, the turn runs and a full store refuses it as before)."""
         s = seq.session
         n = len(seq.new_tokens) + (seq.params.max_new_tokens if seq.sample else 0)
         need = self.store.bytes_for(s.id, seq.keep - s.base, n)
-        if need == 0 or self.store.space().free >= need:
+        space = self.store.space()
+        if need == 0 or space.free >= need:
             return True
         now = time.monotonic()
         seq.t_room = seq.t_room or now
@@ -122,11 +128,12 @@ class Reclaimer:
 
     # --- capacity ---------------------------------------------------------------------
     def _victims(self) -> Iterator[Session]:
-        """Idle sessions least recently used first; contexts that sessions use go last."""
+        """Least recently used first: sessions not resident, then resident ones (evicted
+        to be released), then contexts that sessions use."""
         with self.lock:
             owners = list(self.registry.sessions.values())
             used = {s.parent for s in owners if s.parent is not None}
-            order = sorted(owners, key=lambda s: (s.id in used, s.last_used))
+            order = sorted(owners, key=lambda s: (s.id in used, s.resident, s.last_used))
         yield from order
 
     def _release(self, s: Session, need: int) -> int:
@@ -138,20 +145,19 @@ class Reclaimer:
             self._give_back(s)
 
     def _take(self, s: Session, expiring: bool = False) -> bool:
-        """Mark `s` as being worked on, if nothing uses it: not resident, not busy, and for a
-        context, no session on it busy or being restored. Expiry takes resident sessions too
-        (their memory is freed with them)."""
+        """Mark `s` as being worked on, if nothing uses it: not busy, and for a context, no
+        session on it busy or being restored. A resident one is evicted from memory first;
+        one that stores nothing is left alone (evicting it would free nothing here)."""
         with self.lock:
             if self.registry.sessions.get(s.id) is not s or s.busy or s.releasing:
-                return False
-            if s.resident and not expiring:
                 return False
             if expiring and s.updated >= time.time() - self.cfg.session_ttl_s:
                 return False  # a turn ended since it was listed
             if any(o.parent == s.id and (o.busy or o.releasing) for o in self.registry.sessions.values()):
                 return False
-            if expiring:
-                self.evict(s)
+            if not expiring and self.store.stored_bytes(s.id) == 0:
+                return False
+            self.evict(s)  # idle, its state durable: dropping its memory loses nothing
             s.releasing = True
             return True
 
