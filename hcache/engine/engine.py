@@ -19,7 +19,7 @@ from hcache import omp
 from hcache.config import EngineConfig
 from hcache.engine import checks
 from hcache.engine.block_pool import BlockPool
-from hcache.engine.errors import EngineError, FailedPrecondition, InvalidArgument, Unavailable
+from hcache.engine.errors import EngineError, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from hcache.engine.finisher import Finisher
 from hcache.engine.generate import common_prefix
 from hcache.engine.reclaimer import Reclaimer
@@ -338,14 +338,17 @@ class Engine:
     def _admit(self) -> bool:
         worked = False
         for seq, refused in self.scheduler.admit():
+            if refused is None:
+                try:
+                    if not self.reclaimer.has_room(seq):
+                        self.scheduler.waiting.appendleft(seq)  # no blocks taken yet: it keeps its place
+                        return worked
+                except ResourceExhausted as e:  # more than the whole store
+                    refused = e
+            worked = True
             if refused is not None:
-                worked = True
                 self.finisher.fail(seq, refused)
                 continue
-            if not self.reclaimer.has_room(seq):
-                self.scheduler.waiting.appendleft(seq)  # no blocks taken yet: it keeps its place
-                return worked
-            worked = True
             try:
                 self._start(seq)
             except EngineError as e:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from hcache.config import EngineConfig
+from hcache.engine.errors import ResourceExhausted
 from hcache.engine.records import Counters
 from hcache.engine.sequence import Sequence, Session
 from hcache.engine.sessions import Registry
@@ -66,13 +67,21 @@ class Reclaimer:
     def has_room(self, seq: Sequence) -> bool:
         """Whether the store has room for what the turn will save. When it has not, releases
         are asked for and the turn waits (at most ROOM_WAIT_S: when what other turns hold
-        does not come free, the turn runs and a full store refuses it as before)."""
+        does not come free, the turn runs and a full store refuses it as before). A turn
+        that cannot fit even with everything else released is refused at once."""
         s = seq.session
         n = len(seq.new_tokens) + (seq.params.max_new_tokens if seq.sample else 0)
         need = self.store.bytes_for(s.id, seq.keep - s.base, n)
         space = self.store.space()
         if need == 0 or space.free >= need:
             return True
+        # the turn's session and its context are busy, so their chunks stay while it runs
+        pinned = sum(self.store.stored_bytes(o) for o in (s.id, s.parent) if o is not None)
+        if space.capacity and need + pinned > space.capacity:
+            raise ResourceExhausted(
+                f"this turn needs {need / 1e6:.1f} MB of storage beside the {pinned / 1e6:.1f} MB its "
+                f"{s.kind} holds; the store's capacity is {space.capacity / 1e6:.1f} MB"
+            )
         now = time.monotonic()
         seq.t_room = seq.t_room or now
         if now - seq.t_room > ROOM_WAIT_S:

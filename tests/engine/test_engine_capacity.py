@@ -11,7 +11,8 @@ import pytest
 from conftest import tload
 from engine_helpers import make_engine, reference, turn, word_tokenizer
 
-from hcache.engine.errors import NotFound
+from hcache.engine.errors import NotFound, ResourceExhausted
+from hcache.engine.reclaimer import ROOM_WAIT_S
 from hcache.engine.sampler import SamplingParams
 from hcache.storage.fsck import fsck
 from hcache.storage.layout import CHUNK_TOKENS, num_chunks
@@ -62,6 +63,32 @@ def test_small_store_serves_ten_times_its_capacity_exactly(model, tmp_path, kv_b
         store.close()
     report = fsck([str(d) for d in dirs])
     assert report.clean, report.lines()
+
+
+def test_a_turn_bigger_than_the_store_is_refused_at_once(model, tmp_path):
+    tok = word_tokenizer(model.cfg.vocab_size)
+    eng, store = make_engine(model, tok, [tmp_path / "s"])
+    try:
+        per_chunk = sum(sh.slot_bytes for sh in store.shapes.values()) * model.cfg.num_layers
+        store.set_quota(3 * per_chunk)  # three chunks of every layer and kind
+        rng = random.Random(5)
+        p = SamplingParams(max_new_tokens=8)
+        s = eng.create_session()
+        t0 = time.monotonic()
+        with pytest.raises(ResourceExhausted, match="capacity"):  # 3 chunks, and a fresh tail: 4
+            turn(eng, s.id, token_ids=rand_ids(rng, 150), params=p)
+        first = rand_ids(rng, 20)
+        got, _ = turn(eng, s.id, token_ids=first, params=p)  # holds one chunk now
+        # 3 chunks would fit an empty store, but the session's own chunk stays while it runs
+        with pytest.raises(ResourceExhausted, match="capacity"):
+            turn(eng, s.id, token_ids=rand_ids(rng, 60), params=p)
+        assert time.monotonic() - t0 < ROOM_WAIT_S  # refused, not left waiting for room
+        more = rand_ids(rng, 20)  # one that fits still runs, and the refusals changed nothing
+        got2, _ = turn(eng, s.id, token_ids=more, params=p)
+        assert got2 == reference(model, [*first, *got, *more], p, set())
+    finally:
+        eng.close()
+        store.close()
 
 
 def test_ttl_deletes_idle_sessions_which_then_say_they_expired(model, tmp_path):
