@@ -27,6 +27,10 @@ from hcache.storage.store import ChunkStore
 log = logging.getLogger(__name__)
 POLL_S = 0.5  # between checks when nothing wakes the reclaimer
 ROOM_WAIT_S = 5.0  # a turn waits this long for released space, then tries anyway
+# an expired session says so this long (a client back from a week away learns why), then
+# its tombstone goes and it is simply not found: tombstones must not grow without bound
+TOMBSTONE_KEEP_S = 7 * 86400.0
+PRUNE_EVERY_S = 60.0
 
 
 class Reclaimer:
@@ -44,6 +48,7 @@ class Reclaimer:
         self.store, self.registry, self.lock, self.settled = store, registry, lock, settled
         self.cfg, self.counters, self.evict, self.freed = cfg, counters, evict, freed
         self._wanted = 0  # free bytes a waiting turn asked for
+        self._next_prune = 0.0  # monotonic time of the next tombstone pruning
         self.wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="hcache-reclaimer", daemon=True)
@@ -107,6 +112,7 @@ class Reclaimer:
         """One pass: expire, then release down to the high watermark."""
         if self.cfg.session_ttl_s > 0:
             self._expire()
+        self._prune()  # with no TTL too: an earlier run's tombstones
         cfg = self.store.cfg
         space = self.store.space()
         wanted, self._wanted = self._wanted, 0
@@ -134,6 +140,15 @@ class Reclaimer:
                 log.info("session %s expired (idle over %gs)", s.id, self.cfg.session_ttl_s)
             finally:
                 self._give_back(s)
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        if now < self._next_prune:
+            return
+        self._next_prune = now + PRUNE_EVERY_S
+        n = self.store.prune_expired(time.time() - TOMBSTONE_KEEP_S)
+        if n:
+            log.info("forgot %d expired sessions (expired over %gs ago)", n, TOMBSTONE_KEEP_S)
 
     # --- capacity ---------------------------------------------------------------------
     def _victims(self) -> Iterator[Session]:

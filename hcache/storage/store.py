@@ -221,6 +221,10 @@ class ChunkStore:
         """(tenant, Unix time) when the owner was deleted for being idle, or None."""
         return self.manifest.expired(owner)
 
+    def prune_expired(self, before: float) -> int:
+        """Forget owners expired before `before` (Unix time): asked for, they are not found."""
+        return self.manifest.prune_expired(before)
+
     # --- capacity ---------------------------------------------------------------
     def _dir_quota(self) -> int:
         """Each directory's quota: `quota_bytes`, and a total `max_bytes` split evenly."""

@@ -11,8 +11,8 @@ import pytest
 from conftest import tload
 from engine_helpers import make_engine, reference, turn, word_tokenizer
 
+from hcache.engine import reclaimer
 from hcache.engine.errors import NotFound, ResourceExhausted
-from hcache.engine.reclaimer import ROOM_WAIT_S
 from hcache.engine.sampler import SamplingParams
 from hcache.storage.fsck import fsck
 from hcache.storage.layout import CHUNK_TOKENS, num_chunks
@@ -82,7 +82,7 @@ def test_a_turn_bigger_than_the_store_is_refused_at_once(model, tmp_path):
         # 3 chunks would fit an empty store, but the session's own chunk stays while it runs
         with pytest.raises(ResourceExhausted, match="capacity"):
             turn(eng, s.id, token_ids=rand_ids(rng, 60), params=p)
-        assert time.monotonic() - t0 < ROOM_WAIT_S  # refused, not left waiting for room
+        assert time.monotonic() - t0 < reclaimer.ROOM_WAIT_S  # refused, not left waiting for room
         more = rand_ids(rng, 20)  # one that fits still runs, and the refusals changed nothing
         got2, _ = turn(eng, s.id, token_ids=more, params=p)
         assert got2 == reference(model, [*first, *got, *more], p, set())
@@ -91,7 +91,7 @@ def test_a_turn_bigger_than_the_store_is_refused_at_once(model, tmp_path):
         store.close()
 
 
-def test_ttl_deletes_idle_sessions_which_then_say_they_expired(model, tmp_path):
+def test_ttl_deletes_idle_sessions_which_then_say_they_expired(model, tmp_path, monkeypatch):
     tok = word_tokenizer(model.cfg.vocab_size)
     dirs = [tmp_path / "s"]
     eng, store = make_engine(model, tok, dirs, session_ttl_s=1.0)
@@ -118,6 +118,13 @@ def test_ttl_deletes_idle_sessions_which_then_say_they_expired(model, tmp_path):
     eng, store = make_engine(model, tok, dirs)  # after a restart too
     try:
         with pytest.raises(NotFound, match="expired"):
+            eng.get(old.id)
+        # after TOMBSTONE_KEEP_S the tombstone goes (without a TTL too): plainly not found
+        monkeypatch.setattr(reclaimer, "TOMBSTONE_KEEP_S", 0.0)
+        eng.reclaimer._next_prune = 0.0
+        eng.reclaimer.step()
+        assert store.expired(old.id) is None
+        with pytest.raises(NotFound, match="not found"):
             eng.get(old.id)
     finally:
         eng.close()

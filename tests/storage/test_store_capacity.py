@@ -117,6 +117,22 @@ def test_an_owner_with_no_chunks_gives_up_nothing(tmp_path) -> None:
         assert st.stored_bytes("new") == 0
 
 
+def test_tombstones_are_pruned_by_age(tmp_path) -> None:
+    dirs = dirs_in(tmp_path, 1)
+    with open_store(dirs) as st:
+        for o in ("old", "new"):
+            st.create_owner(o, KINDS, "fp")
+        st.delete("old", expired=True)
+        time.sleep(0.01)
+        cutoff = time.time()
+        st.delete("new", expired=True)
+        assert st.prune_expired(cutoff) == 1
+        assert st.expired("old") is None and st.expired("new") is not None
+        assert st.prune_expired(cutoff) == 0
+    with open_store(dirs) as st:  # pruned for good; the newer one survives a restart
+        assert st.expired("old") is None and st.expired("new") is not None
+
+
 def test_released_slots_take_new_chunks_under_a_quota(tmp_path) -> None:
     dirs = dirs_in(tmp_path, 1)
     with open_store(dirs, max_bytes=1 << 20) as st:
