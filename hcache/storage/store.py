@@ -233,12 +233,13 @@ class ChunkStore:
 
     def space(self) -> Space:
         """Capacity and use over every directory (a directory without a quota: what its
-        filesystem still has free, plus what the store holds there)."""
+        filesystem still has free, plus what the store holds there). Extents reserved ahead
+        count as free: a full store takes them back."""
         capacity = used = 0
         quota = self.placement.quota_bytes
         for d, path in enumerate(self.dirs):
             occupied = self.placement.occupied(d)
-            used += occupied
+            used += self.placement.in_use(d)
             capacity += quota or occupied + shutil.disk_usage(path).free
         return Space(capacity, used)
 
