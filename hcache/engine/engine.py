@@ -75,7 +75,15 @@ class Engine:
         self.finisher = Finisher(store, self.scheduler, self.lock, tokenizer.decode, self._turn_ended)
         self.settled = threading.Condition(self.lock)  # a session the reclaimer held is free again
         self.reclaimer = Reclaimer(
-            store, self.registry, self.lock, self.settled, self.cfg, self.counters, self.scheduler.evict, self._wake.set
+            store,
+            self.registry,
+            self.lock,
+            self.settled,
+            self.cfg,
+            self.counters,
+            self.scheduler.evict,
+            self._wake.set,
+            self.scheduler.queued,
         )
         self.draining = False
         self._stop = False
@@ -343,7 +351,7 @@ class Engine:
                     if not self.reclaimer.has_room(seq):
                         self.scheduler.waiting.appendleft(seq)  # no blocks taken yet: it keeps its place
                         return worked
-                except ResourceExhausted as e:  # more than the whole store
+                except ResourceExhausted as e:  # more than the whole store holds
                     refused = e
             worked = True
             if refused is not None:

@@ -5,10 +5,14 @@ sessions idle longer than that are deleted, records included. Nothing here runs 
 turn's path: a session is picked under the engine's lock, marked `releasing` (a request
 for it waits, briefly, in `settle`) and released outside the lock.
 
-A busy session (a turn in flight, or not yet durable) is never touched. An idle resident
-session is evicted from memory first, as the scheduler's LRU eviction does (its state is
-durable, so that is free), and released only once nothing idle and not resident is left:
-resident sessions can hold far more state than a small store, and would otherwise pin it."""
+A session with a turn running (restoring, computing, or not yet durable) is never
+touched. An idle resident session is evicted from memory first, as the scheduler's LRU
+eviction does (its state is durable, so that is free), and released only once nothing idle
+and not resident is left: resident sessions can hold far more state than a small store, and
+would otherwise pin it. For a turn waiting for room, sessions whose turn is only queued
+come after those (else they could pin the room it waits for): nothing of their turn has
+run yet, and it plans its restore from what is left. Admission promises each turn the
+space it may write, so turns running together never count the same free space twice."""
 
 from __future__ import annotations
 
@@ -44,10 +48,13 @@ class Reclaimer:
         counters: Counters,
         evict: Callable[[Session], None],
         freed: Callable[[], None],
+        queued: Callable[[Session], bool],
     ):
         self.store, self.registry, self.lock, self.settled = store, registry, lock, settled
         self.cfg, self.counters, self.evict, self.freed = cfg, counters, evict, freed
+        self.queued = queued  # whether a session's turn waits for admission, not started yet
         self._wanted = 0  # free bytes a waiting turn asked for
+        self._promised: dict[int, tuple[Sequence, int, int]] = {}  # turn -> (bytes, its owner's bytes then)
         self._next_prune = 0.0  # monotonic time of the next tombstone pruning
         self.wake = threading.Event()
         self._stop = False
@@ -70,29 +77,46 @@ class Reclaimer:
             self.settled.wait()
 
     def has_room(self, seq: Sequence) -> bool:
-        """Whether the store has room for what the turn will save. When it has not, releases
-        are asked for and the turn waits (at most ROOM_WAIT_S: when what other turns hold
-        does not come free, the turn runs and a full store refuses it as before). A turn
-        that cannot fit even with everything else released is refused at once."""
+        """Whether the store has room for what the turn will save, beside what turns already
+        admitted may still write; the turn's share is then promised to it until it ends.
+        When there is no room, releases are asked for and the turn waits: for turns in
+        flight to end (their sessions then become idle, so releasable), or ROOM_WAIT_S when
+        none is (then it runs, and a full store refuses it as before). A turn bigger than the
+        whole store is refused at once. Called under the engine's lock."""
         s = seq.session
+        parent = self.registry.sessions.get(s.parent) if s.parent else None
+        if s.releasing or (parent is not None and parent.releasing):
+            return False  # queued, its chunks are being given up for room: it reads what is left
         n = len(seq.new_tokens) + (seq.params.max_new_tokens if seq.sample else 0)
         need = self.store.bytes_for(s.id, seq.keep - s.base, n)
-        space = self.store.space()
-        if need == 0 or space.free >= need:
+        if need == 0:
             return True
-        # the turn's session and its context are busy, so their chunks stay while it runs
-        pinned = sum(self.store.stored_bytes(o) for o in (s.id, s.parent) if o is not None)
-        if space.capacity and need + pinned > space.capacity:
+        space = self.store.space()
+        if space.capacity and need > space.capacity:
             raise ResourceExhausted(
-                f"this turn needs {need / 1e6:.1f} MB of storage beside the {pinned / 1e6:.1f} MB its "
-                f"{s.kind} holds; the store's capacity is {space.capacity / 1e6:.1f} MB"
+                f"this turn would store {need / 1e6:.1f} MB; the store's capacity is {space.capacity / 1e6:.1f} MB"
             )
+        promised = self._promised_bytes()
+        if space.free - promised >= need:
+            self._promised[id(seq)] = (seq, need, self.store.stored_bytes(s.id))
+            return True
         now = time.monotonic()
         seq.t_room = seq.t_room or now
-        if now - seq.t_room > ROOM_WAIT_S:
+        if not promised and now - seq.t_room > ROOM_WAIT_S:
             return True
-        self.want(need)
+        self.want(need + promised)
         return False
+
+    def _promised_bytes(self) -> int:
+        """What admitted turns not yet durable may still write: each one's promise, less
+        what its session stored since."""
+        total = 0
+        for key, (seq, need, before) in list(self._promised.items()):
+            if seq.done.is_set():
+                del self._promised[key]
+            else:
+                total += max(0, need - (self.store.stored_bytes(seq.session.id) - before))
+        return total
 
     def close(self) -> None:
         self._stop = True
@@ -118,7 +142,7 @@ class Reclaimer:
         wanted, self._wanted = self._wanted, 0
         need = max(space.to_release(cfg.low_watermark, cfg.high_watermark), wanted - space.free)
         for s in self._victims() if need > 0 else ():
-            need -= self._release(s, need)
+            need -= self._release(s, need, queued_too=wanted > 0)
             if need <= 0:
                 break
         if wanted:
@@ -152,32 +176,38 @@ class Reclaimer:
 
     # --- capacity ---------------------------------------------------------------------
     def _victims(self) -> Iterator[Session]:
-        """Least recently used first: sessions not resident, then resident ones (evicted
-        to be released), then contexts that sessions use."""
+        """Least recently used first: idle sessions not resident, then resident ones (evicted
+        to be released), then those whose turn is queued, then contexts that sessions use."""
         with self.lock:
             owners = list(self.registry.sessions.values())
             used = {s.parent for s in owners if s.parent is not None}
-            order = sorted(owners, key=lambda s: (s.id in used, s.resident, s.last_used))
+            order = sorted(owners, key=lambda s: (s.id in used, s.busy, s.resident, s.last_used))
         yield from order
 
-    def _release(self, s: Session, need: int) -> int:
-        if not self._take(s):
+    def _release(self, s: Session, need: int, queued_too: bool) -> int:
+        if not self._take(s, queued_too=queued_too):
             return 0
         try:
             return self.store.release(s.id, need)
         finally:
             self._give_back(s)
 
-    def _take(self, s: Session, expiring: bool = False) -> bool:
-        """Mark `s` as being worked on, if nothing uses it: not busy, and for a context, no
-        session on it busy or being restored. A resident one is evicted from memory first;
-        one that stores nothing is left alone (evicting it would free nothing here)."""
+    def _take(self, s: Session, expiring: bool = False, queued_too: bool = False) -> bool:
+        """Mark `s` as being worked on, if nothing uses it: no turn of it in flight, and for
+        a context, no session on it busy or being released. With `queued_too` (a turn waits
+        for room), a turn that is only queued does not count: nothing of it has run, and it
+        waits while `releasing`. A resident one is evicted from memory first; one that
+        stores nothing is left alone (evicting it would free nothing)."""
+
+        def in_use(o: Session) -> bool:
+            return o.releasing or (o.busy and not (queued_too and self.queued(o)))
+
         with self.lock:
-            if self.registry.sessions.get(s.id) is not s or s.busy or s.releasing:
+            if self.registry.sessions.get(s.id) is not s or in_use(s):
                 return False
             if expiring and s.updated >= time.time() - self.cfg.session_ttl_s:
                 return False  # a turn ended since it was listed
-            if any(o.parent == s.id and (o.busy or o.releasing) for o in self.registry.sessions.values()):
+            if any(o.parent == s.id and in_use(o) for o in self.registry.sessions.values()):
                 return False
             if not expiring and self.store.stored_bytes(s.id) == 0:
                 return False
