@@ -20,7 +20,14 @@ from hcache.config import EngineConfig
 from hcache.engine import checks
 from hcache.engine.block_pool import BlockPool
 from hcache.engine.cluster import ClusterLink
-from hcache.engine.errors import EngineError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from hcache.engine.errors import (
+    EngineError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from hcache.engine.finisher import Finisher
 from hcache.engine.generate import common_prefix
 from hcache.engine.reclaimer import Reclaimer
@@ -84,7 +91,15 @@ class Engine:
         self._adopting = threading.Lock()  # one context recomputed from the cluster at a time
         self.settled = threading.Condition(self.lock)  # a session the reclaimer held is free again
         self.reclaimer = Reclaimer(
-            store, self.registry, self.lock, self.settled, self.cfg, self.counters, self.scheduler.evict, self._wake.set
+            store,
+            self.registry,
+            self.lock,
+            self.settled,
+            self.cfg,
+            self.counters,
+            self.scheduler.evict,
+            self._wake.set,
+            self.scheduler.queued,
         )
         self.draining = False
         self._stop = False
@@ -489,14 +504,17 @@ class Engine:
     def _admit(self) -> bool:
         worked = False
         for seq, refused in self.scheduler.admit():
+            if refused is None:
+                try:
+                    if not self.reclaimer.has_room(seq):
+                        self.scheduler.waiting.appendleft(seq)  # no blocks taken yet: it keeps its place
+                        return worked
+                except ResourceExhausted as e:  # more than the whole store holds
+                    refused = e
+            worked = True
             if refused is not None:
-                worked = True
                 self.finisher.fail(seq, refused)
                 continue
-            if not self.reclaimer.has_room(seq):
-                self.scheduler.waiting.appendleft(seq)  # no blocks taken yet: it keeps its place
-                return worked
-            worked = True
             try:
                 self._start(seq)
             except EngineError as e:

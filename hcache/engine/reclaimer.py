@@ -3,7 +3,16 @@ watermark, the chunks of the least recently used idle sessions are given up (the
 `release`, cheapest layers first) until it is back at the high watermark; with a TTL,
 sessions idle longer than that are deleted, records included. Nothing here runs on a
 turn's path: a session is picked under the engine's lock, marked `releasing` (a request
-for it waits, briefly, in `settle`) and released outside the lock."""
+for it waits, briefly, in `settle`) and released outside the lock.
+
+A session with a turn running (restoring, computing, or not yet durable) is never
+touched. An idle resident session is evicted from memory first, as the scheduler's LRU
+eviction does (its state is durable, so that is free), and released only once nothing idle
+and not resident is left: resident sessions can hold far more state than a small store, and
+would otherwise pin it. For a turn waiting for room, sessions whose turn is only queued
+come after those (else they could pin the room it waits for): nothing of their turn has
+run yet, and it plans its restore from what is left. Admission promises each turn the
+space it may write, so turns running together never count the same free space twice."""
 
 from __future__ import annotations
 
@@ -13,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from hcache.config import EngineConfig
+from hcache.engine.errors import ResourceExhausted
 from hcache.engine.records import Counters
 from hcache.engine.sequence import Sequence, Session
 from hcache.engine.sessions import Registry
@@ -21,6 +31,10 @@ from hcache.storage.store import ChunkStore
 log = logging.getLogger(__name__)
 POLL_S = 0.5  # between checks when nothing wakes the reclaimer
 ROOM_WAIT_S = 5.0  # a turn waits this long for released space, then tries anyway
+# an expired session says so this long (a client back from a week away learns why), then
+# its tombstone goes and it is simply not found: tombstones must not grow without bound
+TOMBSTONE_KEEP_S = 7 * 86400.0
+PRUNE_EVERY_S = 60.0
 
 
 class Reclaimer:
@@ -34,10 +48,14 @@ class Reclaimer:
         counters: Counters,
         evict: Callable[[Session], None],
         freed: Callable[[], None],
+        queued: Callable[[Session], bool],
     ):
         self.store, self.registry, self.lock, self.settled = store, registry, lock, settled
         self.cfg, self.counters, self.evict, self.freed = cfg, counters, evict, freed
+        self.queued = queued  # whether a session's turn waits for admission, not started yet
         self._wanted = 0  # free bytes a waiting turn asked for
+        self._promised: dict[int, tuple[Sequence, int, int]] = {}  # turn -> (bytes, its owner's bytes then)
+        self._next_prune = 0.0  # monotonic time of the next tombstone pruning
         self.wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="hcache-reclaimer", daemon=True)
@@ -59,20 +77,46 @@ class Reclaimer:
             self.settled.wait()
 
     def has_room(self, seq: Sequence) -> bool:
-        """Whether the store has room for what the turn will save. When it has not, releases
-        are asked for and the turn waits (at most ROOM_WAIT_S: when nothing idle is left to
-        release, the turn runs and a full store refuses it as before)."""
+        """Whether the store has room for what the turn will save, beside what turns already
+        admitted may still write; the turn's share is then promised to it until it ends.
+        When there is no room, releases are asked for and the turn waits: for turns in
+        flight to end (their sessions then become idle, so releasable), or ROOM_WAIT_S when
+        none is (then it runs, and a full store refuses it as before). A turn bigger than the
+        whole store is refused at once. Called under the engine's lock."""
         s = seq.session
+        parent = self.registry.sessions.get(s.parent) if s.parent else None
+        if s.releasing or (parent is not None and parent.releasing):
+            return False  # queued, its chunks are being given up for room: it reads what is left
         n = len(seq.new_tokens) + (seq.params.max_new_tokens if seq.sample else 0)
         need = self.store.bytes_for(s.id, seq.keep - s.base, n)
-        if need == 0 or self.store.space().free >= need:
+        if need == 0:
+            return True
+        space = self.store.space()
+        if space.capacity and need > space.capacity:
+            raise ResourceExhausted(
+                f"this turn would store {need / 1e6:.1f} MB; the store's capacity is {space.capacity / 1e6:.1f} MB"
+            )
+        promised = self._promised_bytes()
+        if space.free - promised >= need:
+            self._promised[id(seq)] = (seq, need, self.store.stored_bytes(s.id))
             return True
         now = time.monotonic()
         seq.t_room = seq.t_room or now
-        if now - seq.t_room > ROOM_WAIT_S:
+        if not promised and now - seq.t_room > ROOM_WAIT_S:
             return True
-        self.want(need)
+        self.want(need + promised)
         return False
+
+    def _promised_bytes(self) -> int:
+        """What admitted turns not yet durable may still write: each one's promise, less
+        what its session stored since."""
+        total = 0
+        for key, (seq, need, before) in list(self._promised.items()):
+            if seq.done.is_set():
+                del self._promised[key]
+            else:
+                total += max(0, need - (self.store.stored_bytes(seq.session.id) - before))
+        return total
 
     def close(self) -> None:
         self._stop = True
@@ -92,12 +136,13 @@ class Reclaimer:
         """One pass: expire, then release down to the high watermark."""
         if self.cfg.session_ttl_s > 0:
             self._expire()
+        self._prune()  # with no TTL too: an earlier run's tombstones
         cfg = self.store.cfg
         space = self.store.space()
         wanted, self._wanted = self._wanted, 0
         need = max(space.to_release(cfg.low_watermark, cfg.high_watermark), wanted - space.free)
         for s in self._victims() if need > 0 else ():
-            need -= self._release(s, need)
+            need -= self._release(s, need, queued_too=wanted > 0)
             if need <= 0:
                 break
         if wanted:
@@ -120,38 +165,53 @@ class Reclaimer:
             finally:
                 self._give_back(s)
 
+    def _prune(self) -> None:
+        now = time.monotonic()
+        if now < self._next_prune:
+            return
+        self._next_prune = now + PRUNE_EVERY_S
+        n = self.store.prune_expired(time.time() - TOMBSTONE_KEEP_S)
+        if n:
+            log.info("forgot %d expired sessions (expired over %gs ago)", n, TOMBSTONE_KEEP_S)
+
     # --- capacity ---------------------------------------------------------------------
     def _victims(self) -> Iterator[Session]:
-        """Idle sessions least recently used first; contexts that sessions use go last."""
+        """Least recently used first: idle sessions not resident, then resident ones (evicted
+        to be released), then those whose turn is queued, then contexts that sessions use."""
         with self.lock:
             owners = list(self.registry.sessions.values())
             used = {s.parent for s in owners if s.parent is not None}
-            order = sorted(owners, key=lambda s: (s.id in used, s.last_used))
+            order = sorted(owners, key=lambda s: (s.id in used, s.busy, s.resident, s.last_used))
         yield from order
 
-    def _release(self, s: Session, need: int) -> int:
-        if not self._take(s):
+    def _release(self, s: Session, need: int, queued_too: bool) -> int:
+        if not self._take(s, queued_too=queued_too):
             return 0
         try:
             return self.store.release(s.id, need)
         finally:
             self._give_back(s)
 
-    def _take(self, s: Session, expiring: bool = False) -> bool:
-        """Mark `s` as being worked on, if nothing uses it: not resident, not busy, and for a
-        context, no session on it busy or being restored. Expiry takes resident sessions too
-        (their memory is freed with them)."""
+    def _take(self, s: Session, expiring: bool = False, queued_too: bool = False) -> bool:
+        """Mark `s` as being worked on, if nothing uses it: no turn of it in flight, and for
+        a context, no session on it busy or being released. With `queued_too` (a turn waits
+        for room), a turn that is only queued does not count: nothing of it has run, and it
+        waits while `releasing`. A resident one is evicted from memory first; one that
+        stores nothing is left alone (evicting it would free nothing)."""
+
+        def in_use(o: Session) -> bool:
+            return o.releasing or (o.busy and not (queued_too and self.queued(o)))
+
         with self.lock:
-            if self.registry.sessions.get(s.id) is not s or s.busy or s.releasing:
-                return False
-            if s.resident and not expiring:
+            if self.registry.sessions.get(s.id) is not s or in_use(s):
                 return False
             if expiring and s.updated >= time.time() - self.cfg.session_ttl_s:
                 return False  # a turn ended since it was listed
-            if any(o.parent == s.id and (o.busy or o.releasing) for o in self.registry.sessions.values()):
+            if any(o.parent == s.id and in_use(o) for o in self.registry.sessions.values()):
                 return False
-            if expiring:
-                self.evict(s)
+            if not expiring and self.store.stored_bytes(s.id) == 0:
+                return False
+            self.evict(s)  # idle, its state durable: dropping its memory loses nothing
             s.releasing = True
             return True
 

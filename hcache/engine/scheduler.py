@@ -25,6 +25,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def queued(self, s: Session) -> bool:
+        """Whether a turn of `s` waits for admission (nothing of it has started)."""
+        return any(q.session is s for q in self.waiting)
+
     def idle(self) -> bool:
         return not (self.waiting or self.prefilling or self.decoding)
 

@@ -47,6 +47,7 @@ CREATE TABLE IF NOT EXISTS expired(  -- owners deleted for being idle too long: 
   tenant TEXT,
   at REAL NOT NULL
 );
+CREATE INDEX IF NOT EXISTS expired_at ON expired(at);
 """
 
 
@@ -167,6 +168,11 @@ class Manifest:
         with self.lock:
             r = self.db.execute("SELECT tenant, at FROM expired WHERE owner=?", (owner,)).fetchone()
         return (r[0], r[1]) if r else None
+
+    def prune_expired(self, before: float) -> int:
+        """Forget the tombstones of owners expired before `before` (Unix time); how many."""
+        with self.lock:
+            return self.db.execute("DELETE FROM expired WHERE at < ?", (before,)).rowcount
 
     def release_layers(self, owner: str, layer_kinds: str, rows: list[ChunkRow]) -> None:
         """The owner now stores `layer_kinds`; `rows` (the chunks of what it no longer stores)

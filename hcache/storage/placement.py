@@ -80,13 +80,26 @@ class Placement:
         Returns (directory, slot); full chunks come from the owner's layer's extent."""
         n = len(self.dirs)
         with self.lock:
-            for step in range(n):
-                d = (home_dir(layer, idx, n) + step) % n
-                self.slab(d, shape.slab)
-                slot = self.allocs[(d, shape.slab)].allocate((owner, layer) if full else None, self._room(d, shape))
-                if slot is not None:
-                    return d, slot
+            for _ in range(2):  # the second time after taking back the extents reserved ahead
+                for step in range(n):
+                    d = (home_dir(layer, idx, n) + step) % n
+                    self.slab(d, shape.slab)
+                    key = (owner, layer) if full else None
+                    slot = self.allocs[(d, shape.slab)].allocate(key, self._room(d, shape))
+                    if slot is not None:
+                        return d, slot
+                if not self._unreserve():
+                    break
         raise StorageFull(f"all {n} storage directories are full (quota {self.quota_bytes} bytes each)")
+
+    def _unreserve(self) -> bool:
+        """Free every extent reserved ahead (a full store: they only keep chunks contiguous);
+        whether there were any."""
+        had = any(a.reserved for a in self.allocs.values())
+        for alloc in self.allocs.values():
+            alloc.drop_reservations()
+        self._trim()
+        return had
 
     def _room(self, d: int, shape: ChunkShape) -> int:
         """Slots the quota still allows to be added to directory `d`'s slab files."""
@@ -107,6 +120,12 @@ class Placement:
         for an owner's layer (free slots inside slab files are reused first)."""
         with self.lock:
             return sum((a.high - len(a.free)) * parse_slab(name)[2] for (dd, name), a in self.allocs.items() if dd == d)
+
+    def in_use(self, d: int) -> int:
+        """Bytes of directory `d` in slots in use: `occupied` less the extents reserved
+        ahead, which a full store takes back."""
+        with self.lock:
+            return sum(a.num_used * parse_slab(name)[2] for (dd, name), a in self.allocs.items() if dd == d)
 
     def dir_usage(self, d: int) -> tuple[int, int, int]:
         """Directory `d`'s bytes in committed chunks' slots, bytes of slab files, and chunks."""
@@ -178,7 +197,7 @@ class Placement:
             rows = [r for layer, kind in drop for r in idx.get((layer, kind.value), {}).values()]
         self.manifest.release_layers(owner, layer_kinds, rows)
         with self.lock:
-            before = sum(self.occupied(d) for d in range(len(self.dirs)))
+            before = sum(self.in_use(d) for d in range(len(self.dirs)))
             for layer, kind in drop:
                 idx.pop((layer, kind.value), None)
             for r in rows:
@@ -190,7 +209,7 @@ class Placement:
                     if parse_slab(name)[0] == kind:
                         alloc.drop_reservations(owner, layer)
             self._trim()
-            return before - sum(self.occupied(d) for d in range(len(self.dirs)))
+            return before - sum(self.in_use(d) for d in range(len(self.dirs)))
 
     def _trim(self) -> None:
         for key, alloc in self.allocs.items():

@@ -224,9 +224,10 @@ class SlotAllocator:
             self.high -= 1
         return self.high
 
-    def drop_reservations(self, owner: str, layer: int | None = None) -> None:
-        """Free the extents reserved for the owner's layers (only `layer`'s when given)."""
-        for key in [k for k in self.reserved if k[0] == owner and layer in (None, k[1])]:
+    def drop_reservations(self, owner: str | None = None, layer: int | None = None) -> None:
+        """Free the extents reserved for the owner's layers (only `layer`'s when given; every
+        owner's when none is)."""
+        for key in [k for k in self.reserved if owner in (None, k[0]) and layer in (None, k[1])]:
             for s in self.reserved.pop(key):
                 bisect.insort(self.free, s)
             self.extent_len.pop(key, None)

@@ -221,6 +221,10 @@ class ChunkStore:
         """(tenant, Unix time) when the owner was deleted for being idle, or None."""
         return self.manifest.expired(owner)
 
+    def prune_expired(self, before: float) -> int:
+        """Forget owners expired before `before` (Unix time): asked for, they are not found."""
+        return self.manifest.prune_expired(before)
+
     # --- capacity ---------------------------------------------------------------
     def _dir_quota(self) -> int:
         """Each directory's quota: `quota_bytes`, and a total `max_bytes` split evenly."""
@@ -229,12 +233,13 @@ class ChunkStore:
 
     def space(self) -> Space:
         """Capacity and use over every directory (a directory without a quota: what its
-        filesystem still has free, plus what the store holds there)."""
+        filesystem still has free, plus what the store holds there). Extents reserved ahead
+        count as free: a full store takes them back."""
         capacity = used = 0
         quota = self.placement.quota_bytes
         for d, path in enumerate(self.dirs):
             occupied = self.placement.occupied(d)
-            used += occupied
+            used += self.placement.in_use(d)
             capacity += quota or occupied + shutil.disk_usage(path).free
         return Space(capacity, used)
 
@@ -245,6 +250,12 @@ class ChunkStore:
             return 0
         per_chunk = sum(self.shapes[k].slot_bytes for ks in self.layer_kinds(self.owner_row(owner)) for k in ks)
         return (num_chunks(start % CHUNK_TOKENS + n) + 1) * per_chunk
+
+    def stored_bytes(self, owner: str) -> int:
+        """The bytes of the owner's committed chunks (what releasing all of it would free,
+        besides the extents reserved for it)."""
+        index = self.placement.chunk_index(owner)
+        return sum(len(rows) * self.shapes[Kind(kind)].slot_bytes for (_, kind), rows in index.items())
 
     def release(self, owner: str, nbytes: int) -> int:
         """Give up the owner's stored layers, in `release_order`, until at least `nbytes` are
@@ -258,8 +269,10 @@ class ChunkStore:
         for layer, kind in release_order(kinds):
             if estimate >= nbytes:
                 break
-            drop.add((layer, kind))
-            estimate += len(index.get((layer, kind.value), {})) * self.shapes[kind].slot_bytes
+            chunks = len(index.get((layer, kind.value), {}))
+            if chunks:  # giving up a layer with nothing in it frees nothing and demotes for good
+                drop.add((layer, kind))
+                estimate += chunks * self.shapes[kind].slot_bytes
         if not drop:
             return 0
         left = [ks - {k for la, k in drop if la == layer} for layer, ks in enumerate(kinds)]

@@ -22,6 +22,7 @@ from hcache.engine.errors import ResourceExhausted
 from hcache.engine.generate import ChatSession
 from hcache.engine.sampler import SamplingParams
 from hcache.restore.plan import Method
+from hcache.storage.errors import StorageFull
 
 
 def rand_ids(rng: random.Random, n: int) -> list[int]:
@@ -47,7 +48,7 @@ def tiny(tiny_folder):
     return tload(tiny_folder("llama_gqa"))
 
 
-def test_full_directory_refuses_the_turn_and_keeps_state(default_model, tmp_path):
+def test_full_directory_refuses_the_turn_and_keeps_state(default_model, tmp_path, monkeypatch):
     m, tok = default_model.model, default_model.tokenizer
     eng, store = make_engine(m, tok, [tmp_path / "s"], store_kinds="kv", kv_budget_bytes=256 << 20)
     try:
@@ -56,12 +57,24 @@ def test_full_directory_refuses_the_turn_and_keeps_state(default_model, tmp_path
         _, _ = turn(eng, s.id, message=TURNS[0], params=p)
         before = store.owner_row(s.id)
         store.set_quota(store.usage()[0].slab_bytes)  # the directory is now full
-        with pytest.raises(ResourceExhausted, match="full"):
-            turn(eng, s.id, message=LONG[:3000], params=p)  # needs new slots for full chunks
+        with pytest.raises(ResourceExhausted, match="capacity"):  # refused before it starts
+            turn(eng, s.id, message=LONG[:3000], params=p)  # more than the whole store holds
+        after = store.owner_row(s.id)
+        assert (after.tokens, after.meta) == (before.tokens, before.meta)
+        assert not eng.get(s.id).busy
+        store.set_quota(0)  # the operator makes room
+
+        # a disk that fills under a running turn: the session goes back to its last durable turn
+        def disk_full(*_args: object, **_kw: object) -> None:
+            raise StorageFull("disk full")
+
+        with monkeypatch.context() as mp:
+            mp.setattr(store, "mark_durable", disk_full)
+            with pytest.raises(ResourceExhausted, match="full"):
+                turn(eng, s.id, message=TURNS[1], params=p)
         after = store.owner_row(s.id)
         assert (after.tokens, after.meta) == (before.tokens, before.meta)
         assert not eng.get(s.id).busy and not eng.get(s.id).resident
-        store.set_quota(0)  # the operator makes room
         # the session goes on from its last durable turn, exactly
         got2, _ = turn(eng, s.id, message=TURNS[1], params=p)
         assert tok.decode(got2) == expected(m, tok, TURNS[:1], TURNS[1], p)

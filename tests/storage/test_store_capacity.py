@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 
 import torch
-from storage_helpers import GEOM, KINDS, expected, save
+from storage_helpers import GEOM, KINDS, check_all, expected, save
 
 from hcache.config import StorageConfig
 from hcache.storage.capacity import Space, release_order
 from hcache.storage.fsck import fsck
-from hcache.storage.layout import Kind, stored
+from hcache.storage.layout import CHUNK_TOKENS, Kind, chunk_shapes, stored
 from hcache.storage.store import ChunkStore
 
 HERE = Path(__file__).parents[1]  # tests/: release_proc.py and its helpers
@@ -102,11 +102,59 @@ def test_release_records_what_is_left_and_frees_slots(tmp_path) -> None:
         check_stored(st, "b")
 
 
+def test_an_owner_with_no_chunks_gives_up_nothing(tmp_path) -> None:
+    with open_store(dirs_in(tmp_path)) as st:
+        st.create_owner("new", KINDS, "fp")  # created, no turn yet
+        assert st.stored_bytes("new") == 0
+        assert st.release("new", 1 << 40) == 0
+        assert st.owner_row("new").layer_kinds == "-HKHK"  # it still stores its first turn
+        assert st.stats.demotions == 0
+        save(st, "new", 0, 130)
+        st.mark_durable("new", list(range(130)))
+        held = st.stored_bytes("new")
+        assert 0 < held <= st.space().used
+        assert st.release("new", 1 << 40) >= held
+        assert st.stored_bytes("new") == 0
+
+
+def test_tombstones_are_pruned_by_age(tmp_path) -> None:
+    dirs = dirs_in(tmp_path, 1)
+    with open_store(dirs) as st:
+        for o in ("old", "new"):
+            st.create_owner(o, KINDS, "fp")
+        st.delete("old", expired=True)
+        time.sleep(0.01)
+        cutoff = time.time()
+        st.delete("new", expired=True)
+        assert st.prune_expired(cutoff) == 1
+        assert st.expired("old") is None and st.expired("new") is not None
+        assert st.prune_expired(cutoff) == 0
+    with open_store(dirs) as st:  # pruned for good; the newer one survives a restart
+        assert st.expired("old") is None and st.expired("new") is not None
+
+
+def test_a_full_store_takes_back_extents_reserved_ahead(tmp_path) -> None:
+    slot = GEOM.hidden_size * CHUNK_TOKENS * 4  # H and KV slots are the same size here
+    assert all(sh.slot_bytes == slot for sh in chunk_shapes(GEOM, torch.float32).values())
+    with open_store(dirs_in(tmp_path, 1), quota_bytes=20 * slot) as st:
+        st.create_owner("a", KINDS, "fp")
+        save(st, "a", 0, CHUNK_TOKENS)  # one full chunk in each of 4 layers: extents of 4
+        st.mark_durable("a", list(range(CHUNK_TOKENS)))
+        assert st.placement.occupied(0) == 16 * slot
+        assert st.space().used == 4 * slot  # what is reserved ahead counts as free
+        st.create_owner("b", KINDS, "fp")
+        save(st, "b", 0, 2 * CHUNK_TOKENS)  # 8 slots: fits only in slots reserved for a
+        st.mark_durable("b", list(range(2 * CHUNK_TOKENS)))
+        check_all(st, "a", CHUNK_TOKENS)
+        check_all(st, "b", 2 * CHUNK_TOKENS)
+        assert st.space().used == 12 * slot
+
+
 def test_released_slots_take_new_chunks_under_a_quota(tmp_path) -> None:
     dirs = dirs_in(tmp_path, 1)
     with open_store(dirs, max_bytes=1 << 20) as st:
         assert st.placement.quota_bytes == 1 << 20
-        for i in range(40):  # ~16x the quota, made room for by releasing the oldest owner
+        for i in range(70):  # ~13x the quota in chunks, made room for by releasing the oldest owner
             o = f"o{i}"
             st.create_owner(o, KINDS, "fp")
             save(st, o, 0, 130)
