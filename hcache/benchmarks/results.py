@@ -104,19 +104,22 @@ def _targets(peers: dict) -> list[str]:
 
     if h and ll:
         r = h["ttft_after_eviction_ms"] / ll["ttft_after_eviction_ms"]
-        add("TTFT after eviction <= 0.5x llama.cpp load + turn", r, r <= 0.5)
+        add("TTFT after eviction <= 0.4x llama.cpp load + turn", r, r <= 0.4)
         rec = min(v for v in (ll.get("prefill_ms"), tf.get("prefill_ms")) if v)
         r = h["ttft_after_eviction_ms"] / rec
         add("TTFT after eviction <= 0.1x the faster peer recompute", r, r <= 0.1)
-        r = h["prefill_ms"] / ll["prefill_ms"]
-        add("our prefill time <= llama.cpp's (ratio of times)", r, r <= 1)
+        r = ll["prefill_ms"] / h["prefill_ms"]
+        add("prefill speed >= 2x llama.cpp's (ratio of speeds)", r, r >= 2)
     if "hcache" in dec and "llama.cpp" in dec:
         a, b = dec["hcache"], dec["llama.cpp"]
         r = a["tbt_b1_ms"] / b["tbt_b1_ms"]
-        add("batch-1 TBT <= 1.5x llama.cpp's", r, r <= 1.5)
+        add("batch-1 TBT <= 1.0x llama.cpp's", r, r <= 1.0)
         big = max(peers["args"]["batches"])
         r = a.get(f"tokens_per_s_b{big}", 0) / max(1e-9, b.get(f"tokens_per_s_b{big}", 0))
-        add(f"batch-{big} throughput > llama.cpp's (ratio)", r, r > 1)
+        add(f"batch-{big} throughput >= 2x llama.cpp's (ratio)", r, r >= 2)
+        if a.get("weights_mb"):
+            r = a["weights_mb"] / a["gguf_mb"]
+            add("resident weights <= 1.3x the GGUF file", r, r <= 1.3)
     return out
 
 
@@ -130,7 +133,8 @@ def render(results: Path, bench_dir: Path) -> str:
             "",
             f"{m['cpu']}, {m['cores']} cores, {m['memory_gb']:.0f} GB; Python {m['python']}, torch {m['torch']}, "
             f"llama-cpp-python {m['llama-cpp-python']}, transformers {m['transformers']}; run {m['date']}. "
-            f"hcache ran in {peers['args']['dtype']} on {peers['args']['threads']} threads; llama.cpp the same GGUF "
+            f"hcache ran in {peers['args']['dtype']} with {peers['args'].get('weights', 'float')} weights on "
+            f"{peers['args']['threads']} threads, its decode step compiled; llama.cpp the same GGUF "
             "(Q4_1 weights, f16 KV) on the same threads; transformers in float32.",
             "",
             "Storage reads: hcache reads with O_DIRECT. llama.cpp's state file is fsync'ed and dropped from the page "
@@ -188,6 +192,13 @@ def render(results: Path, bench_dir: Path) -> str:
                 f"hcache / llama.cpp: batch-1 TBT {a['tbt_b1_ms'] / b['tbt_b1_ms']:.2f}x; batch-{big} "
                 f"throughput {a.get(f'tokens_per_s_b{big}', 0) / max(1e-9, b.get(f'tokens_per_s_b{big}', 0)):.2f}x.",
             ]
+            if a.get("weights_mb"):
+                lines += [
+                    "",
+                    f"hcache: host (Python) time around the compiled decode graph {_fmt(a.get('host_ms_b1'), 2)} ms "
+                    f"per batch-1 step; resident weights {a['weights_mb']:.1f} MB for a {a['gguf_mb']:.1f} MB GGUF; "
+                    f"peak RSS before llama.cpp loaded {a['peak_rss_mb']:.0f} MB.",
+                ]
         lines += ["", *_targets(peers), ""]
         for name in _plots(peers, bench_dir):
             lines += [f"![{name}]({name})", ""]

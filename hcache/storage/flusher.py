@@ -134,7 +134,7 @@ class Packer(threading.Thread):
             for layer, kinds in enumerate(st.kinds):
                 for kind in kinds:
                     buf = st.chunks[(layer, kind)] = self.chunks[kind].take()
-                    buf.t.copy_(read_chunk(self.placement, self.shapes[kind], self.stats, owner, layer, idx))
+                    omp.copy_serial(buf.t, read_chunk(self.placement, self.shapes[kind], self.stats, owner, layer, idx))
         st.loaded = True
 
     def _pack(self, batch: StagedBatch) -> None:
@@ -152,7 +152,8 @@ class Packer(threading.Thread):
                     buf = st.chunks.get((layer, kind))
                     if buf is None or off == 0:
                         buf = st.chunks[(layer, kind)] = self.chunks[kind].take()
-                    buf.t[off : off + take] = (batch.hidden if kind == Kind.HIDDEN else batch.kv)[layer][rows]
+                    src = (batch.hidden if kind == Kind.HIDDEN else batch.kv)[layer][rows]
+                    omp.copy_serial(buf.t[off : off + take], src)
                     if off + take == CHUNK_TOKENS:
                         self._emit(seg.owner, st, layer, idx, kind, buf, CHUNK_TOKENS)
                         del st.chunks[(layer, kind)]
