@@ -123,3 +123,20 @@ def test_a_context_precomputed_on_one_replica_is_fetched_by_another(model, pair)
     h = History(model, doc)
     h.run(b, s.id, ids(rng, 8))
     h.run(a, s.id, ids(rng, 8))
+
+
+def test_auto_prices_the_fetch_with_the_clusters_measured_bandwidth(model, redis_cluster, tmp_path):  # noqa: F811
+    eng, store = replica(model, redis_cluster.url, tmp_path / "c", "replica-c", policy="auto")
+    try:
+        ch = eng.chunks
+        assert ch.read_gbps() > 0 and ch.counters.read_gbps == ch.read_gbps()  # measured once, kept
+        recompute_ms = model.cfg.num_layers * (eng.profile.re_ms(200) - eng.profile.re_ms(0))
+        fetch_ms = 200 * ch.bytes_per_token / (ch.read_gbps() * 1e9) * 1e3
+        assert ch.worth_it(0, 200) == (fetch_ms < recompute_ms)
+        ch.counters.read_gbps = 1e-9  # a cluster slower than recomputing: it is not asked
+        assert not ch.worth_it(0, 200)
+        ch.counters.read_gbps = 1e9
+        assert ch.worth_it(0, 200)
+    finally:
+        eng.close()
+        store.close()
