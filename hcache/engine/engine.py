@@ -179,7 +179,7 @@ class Engine:
         checks.exactly_one(message, token_ids, "a turn is a non-empty message or a list of token_ids (exactly one)")
         lease = None
         if self.cluster is not None:
-            lease = self._lease(session_id, tenant)
+            lease = self._lease(session_id, tenant, fetch=True)
         try:
             seq = self._queue_turn(session_id, message, token_ids, params, stops, tenant, events)
         except BaseException:
@@ -387,9 +387,10 @@ class Engine:
             raise NotFound(f"{kind or 'session'} {sid[:64]!r} not found")
         return rec
 
-    def _lease(self, sid: str, tenant: str | None, any_kind: bool = False) -> Lease:
+    def _lease(self, sid: str, tenant: str | None, any_kind: bool = False, fetch: bool = False) -> Lease:
         """The session's lease, its context recomputed here if this replica lacks it, and the
-        local session adopted or brought up to the record's last turn."""
+        local session adopted or brought up to the record's last turn (`fetch`: with the
+        cluster's chunks of what it lacks, for the turn about to run)."""
         assert self.cluster is not None
         try:
             lease, rec = self.cluster.lease(sid)
@@ -412,7 +413,8 @@ class Engine:
                     self.cluster.counters.adoptions += 1
                 else:
                     self.registry.refresh(s, rec)
-            self._fetch_chunks(s, rec)
+            if fetch:
+                self._fetch_chunks(s, rec)
         except BaseException:
             self.cluster.release(lease)
             raise
