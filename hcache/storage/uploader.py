@@ -43,6 +43,7 @@ class ChunkUploader:
         self.counters = UploadCounters()
         self._q: queue.Queue[Upload | None] = queue.Queue(max_pending)
         self._idle = threading.Condition()
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name="hcache-chunk-upload", daemon=True)
         self._thread.start()
 
@@ -67,10 +68,13 @@ class ChunkUploader:
     def _run(self) -> None:
         while (job := self._q.get()) is not None:
             try:
+                if self._closing:
+                    raise StorageError("the replica is shutting down")  # not a minute per job on a dead cluster
                 self._upload(job)
             except Exception as e:  # the cluster or the owner: either way, nothing to retry
                 self.counters.failed += 1
-                log.warning("uploading chunks of %s to %s: %s (%s)", job.owner, self.tier.url, e, UNREACHABLE_HINT)
+                if not self._closing:
+                    log.warning("uploading chunks of %s to %s: %s (%s)", job.owner, self.tier.url, e, UNREACHABLE_HINT)
             with self._idle:
                 self.counters.pending -= 1
                 self._idle.notify_all()
@@ -107,5 +111,7 @@ class ChunkUploader:
         self.counters.bytes += size
 
     def close(self) -> None:
+        """What is still queued is dropped (counted as failed): other replicas recompute it."""
+        self._closing = True
         self._q.put(None)
         self._thread.join()
