@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip
 PIN    := -c requirements/constraints.txt
 ARGS   ?=
 
-.PHONY: serve chat demo cluster-demo test lint proto bench bench-peers bench-serve clean
+.PHONY: serve chat demo cluster-demo test lint proto bench bench-peers bench-serve bench-cluster clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -49,6 +49,10 @@ proto: $(VENV)/.test
 
 bench-serve: $(VENV)/.test
 	$(PY) bench/serve.py $(ARGS)
+
+# Two replicas on a Redis Cluster it starts (needs redis-server and redis-cli).
+bench-cluster: $(VENV)/.test
+	$(PY) bench/cluster.py $(ARGS)
 
 # llama-cpp-python builds llama.cpp from source (about 12 minutes, once); never part of CI.
 # Without AMX: llama.cpp's AMX kernels segfault on the first decode on our Xeon VMs.

@@ -79,8 +79,8 @@ def parser(base: Config | None = None) -> argparse.ArgumentParser:
     chat.add_argument("--max-new-tokens", type=int, default=256)
     chat.add_argument("--api-key", default=os.environ.get("HCACHE_API_KEY"), help="(default: $HCACHE_API_KEY)")
     chat.add_argument("--tls-ca", help="PEM root certificate: connect with TLS")
-    bench = sub.add_parser("bench", help="benchmarks (storage, restore, engine, serve)")
-    bench.add_argument("what", choices=["storage", "restore", "engine", "serve", "soak", "peers"])
+    bench = sub.add_parser("bench", help="benchmarks (storage, restore, engine, serve, cluster)")
+    bench.add_argument("what", choices=["storage", "restore", "engine", "serve", "soak", "peers", "cluster"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
     return ap
 

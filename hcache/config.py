@@ -263,6 +263,13 @@ class ServerConfig:
     )
     lease_ms: int = setting(10_000, "cluster mode: a turn's lease on its session; a dead replica's expires after this")
     replica_name: str = setting("", "cluster mode: this replica's name in lease messages (empty: host/pid/random)")
+    cluster_chunks: str = setting(
+        "auto",
+        "cluster mode: sessions' chunks go to the cluster too; a replica lacking a session fetches them "
+        "when cheaper than recomputing (auto), always, or they stay local (off)",
+        choices=("auto", "always", "off"),
+    )
+    chunk_ttl_s: int = setting(86_400, "cluster mode: chunks expire after this (records never do)")
 
 
 @dataclass

@@ -10,10 +10,12 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from hcache.storage.catalogue import Catalogue, Lease, Record
+from hcache.storage.chunk_tier import ChunkTier
 from hcache.storage.errors import ClusterUnavailable, LeaseHeld, StorageError
 
 log = logging.getLogger(__name__)
@@ -28,6 +30,24 @@ class ClusterState:
     problems: list[str]  # as of the last check (empty: reachable and serving)
     checked: float  # Unix time of that check
     counters: ClusterCounters
+    chunks: ChunkStats | None = None  # session chunks in the cluster (None: records only)
+
+
+@dataclass(frozen=True)
+class ChunkStats:
+    """Chunk traffic both ways: fetched before turns, uploaded behind them."""
+
+    fetches: int
+    tokens: int
+    bytes_read: int
+    misses: int
+    skipped: int
+    failed: int
+    read_gbps: float
+    uploaded_chunks: int
+    uploaded_bytes: int
+    upload_drops: int
+    upload_failures: int
 
 
 @dataclass
@@ -40,6 +60,7 @@ class ClusterCounters:
     refused_commits: int = 0  # late commits the epoch fenced off
     errors: int = 0  # calls that could not reach the cluster
     adoptions: int = 0  # sessions this replica first saw in the cluster
+    recomputes: int = 0  # turns that recomputed tokens another replica had computed
     recomputed_tokens: int = 0  # tokens of cluster records recomputed here (no local state)
     bytes_read: int = 0  # records read
     bytes_written: int = 0  # records committed
@@ -55,8 +76,19 @@ def record_bytes(rec: Record) -> int:
 
 
 class ClusterLink:
-    def __init__(self, catalogue: Catalogue, holder: str | None = None, renew_every_s: float | None = None):
+    def __init__(
+        self,
+        catalogue: Catalogue,
+        holder: str | None = None,
+        renew_every_s: float | None = None,
+        chunks: ChunkTier | None = None,
+        chunk_policy: str = "auto",
+    ):
+        """`chunks`: sessions' chunks go to the cluster too; `chunk_policy` says when a replica
+        fetches them (auto: when cheaper than recomputing; always; off: upload only)."""
         self.cat = catalogue
+        self.tier, self.chunk_policy = chunks, chunk_policy
+        self.chunk_stats: Callable[[], ChunkStats | None] = lambda: None  # the engine's, once it runs
         self.holder = holder or replica_name()
         ttl = getattr(catalogue, "ttl_ms", 10_000) / 1e3
         self.renew_every_s = renew_every_s or ttl / 3
@@ -155,7 +187,8 @@ class ClusterLink:
 
     def state(self) -> ClusterState:
         url = getattr(self.cat, "url", self.cat.name)
-        return ClusterState(url, self.holder, list(self._problems), self._checked, replace(self.counters))
+        counters = replace(self.counters)
+        return ClusterState(url, self.holder, list(self._problems), self._checked, counters, self.chunk_stats())
 
     def _renew(self) -> None:
         self.problems()

@@ -20,6 +20,7 @@ from hcache.config import EngineConfig
 from hcache.engine import checks
 from hcache.engine.block_pool import BlockPool
 from hcache.engine.cluster import ClusterLink
+from hcache.engine.cluster_chunks import ClusterChunks
 from hcache.engine.errors import (
     EngineError,
     FailedPrecondition,
@@ -87,7 +88,15 @@ class Engine:
             graph = self.runner.graph
             omp.on_worker(lambda: graph.warm(self.pool.k, self.pool.v, self.pool.num_blocks - 1))
         self._wake = threading.Event()
-        self.finisher = Finisher(store, self.scheduler, self.lock, tokenizer.decode, self._turn_ended, cluster)
+        self.chunks: ClusterChunks | None = None
+        if cluster is not None and cluster.tier is not None:
+            per_token = self.registry.bytes_per_token()
+            self.chunks = ClusterChunks(store, cluster.tier, profile, mc.num_layers, per_token, cluster.chunk_policy)
+            cluster.chunk_stats = self.chunks.stats
+        self.finisher = Finisher(
+            store, self.scheduler, self.lock, tokenizer.decode, self._turn_ended, cluster,
+            self.chunks.after_turn if self.chunks else None,
+        )  # fmt: skip
         self._adopting = threading.Lock()  # one context recomputed from the cluster at a time
         self.settled = threading.Condition(self.lock)  # a session the reclaimer held is free again
         self.reclaimer = Reclaimer(
@@ -185,7 +194,7 @@ class Engine:
         checks.exactly_one(message, token_ids, "a turn is a non-empty message or a list of token_ids (exactly one)")
         lease = None
         if self.cluster is not None:
-            lease = self._lease(session_id, tenant)
+            lease = self._lease(session_id, tenant, fetch=True)
         try:
             seq = self._queue_turn(session_id, message, token_ids, params, stops, tenant, events)
         except BaseException:
@@ -232,7 +241,9 @@ class Engine:
             if self.cfg.restore_method != "auto":
                 seq.restore_method = Method(self.cfg.restore_method)
             if self.cluster is not None and s.history is not None:  # turns run elsewhere, recomputed here
-                self.cluster.counters.recomputed_tokens += max(0, len(s.history) - keep)
+                lacking = max(0, len(s.history) - keep)
+                self.cluster.counters.recomputed_tokens += lacking
+                self.cluster.counters.recomputes += lacking > 0
             s.mode = mode
             s.busy = True
         return seq
@@ -333,6 +344,8 @@ class Engine:
         self._wake.set()
         self._thread.join()
         self.finisher.close()
+        if self.chunks is not None:
+            self.chunks.close()
         if self.cluster is not None:
             self.cluster.close()
 
@@ -389,9 +402,10 @@ class Engine:
             raise NotFound(f"{kind or 'session'} {sid[:64]!r} not found")
         return rec
 
-    def _lease(self, sid: str, tenant: str | None, any_kind: bool = False) -> Lease:
+    def _lease(self, sid: str, tenant: str | None, any_kind: bool = False, fetch: bool = False) -> Lease:
         """The session's lease, its context recomputed here if this replica lacks it, and the
-        local session adopted or brought up to the record's last turn."""
+        local session adopted or brought up to the record's last turn (`fetch`: with the
+        cluster's chunks of what it lacks, for the turn about to run)."""
         assert self.cluster is not None
         try:
             lease, rec = self.cluster.lease(sid)
@@ -410,14 +424,37 @@ class Engine:
             with self.lock:
                 s = self.registry.sessions.get(sid)
                 if s is None:
-                    self.registry.adopt(rec)
+                    s = self.registry.adopt(rec)
                     self.cluster.counters.adoptions += 1
                 else:
                     self.registry.refresh(s, rec)
+            if fetch:
+                self._fetch_chunks(s, rec)
         except BaseException:
             self.cluster.release(lease)
             raise
         return lease
+
+    def _fetch_chunks(self, s: Session, rec: Record) -> None:
+        """A session whose local state is behind its record, and not resident: the cluster's
+        chunks of the turns it lacks come into the store (as far as they reach), so its
+        restore reads them instead of recomputing them. Runs under the session's lease."""
+        with self.lock:
+            if self.chunks is None or s.history is None or s.resident or s.busy or s.kind != rec.kind:
+                return
+            if s.history[: len(s.tokens)] != s.tokens:
+                return  # the local turns were rewritten: the turn truncates them first
+            s.busy = True
+        try:
+            got = self.chunks.fetch(s.id, rec.tokens, rec.meta)
+        finally:
+            with self.lock:
+                s.busy = False
+        if got:
+            with self.lock:
+                s.tokens = s.history[: len(s.tokens) + got]
+                if s.tokens == s.history:
+                    s.history = None
 
     def _ensure_context(self, cid: str, tenant: str | None) -> None:
         """A context precomputed on another replica: recompute it here from its record's tokens."""
@@ -432,8 +469,21 @@ class Engine:
                 ctx = self.registry.adopt(rec)
                 ctx.busy = True
             self.cluster.counters.adoptions += 1
-            self.cluster.counters.recomputed_tokens += len(rec.tokens)
-            seq = self._sequence(ctx, list(rec.tokens), 0, SamplingParams(max_new_tokens=1), [], sample=False)
+            try:
+                got = self.chunks.fetch(cid, rec.tokens, rec.meta) if self.chunks is not None else 0
+            except BaseException:
+                with self.lock:
+                    self.registry.delete(ctx)
+                raise
+            with self.lock:
+                ctx.tokens = list(rec.tokens[:got])
+                if got == len(rec.tokens):  # all of it came from the cluster's chunks
+                    ctx.history, ctx.busy = None, False
+                    return
+            self.cluster.counters.recomputed_tokens += len(rec.tokens) - got
+            self.cluster.counters.recomputes += 1
+            rest = list(rec.tokens[got:])
+            seq = self._sequence(ctx, rest, got, SamplingParams(max_new_tokens=1), [], sample=False)
             self._submit(seq)
             try:
                 self._wait(seq)

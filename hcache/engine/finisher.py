@@ -32,9 +32,11 @@ class Finisher:
         decode: Callable[[list[int]], str],
         wake: Callable[[], None],
         cluster: ClusterLink | None = None,
+        committed: Callable[[str, list[int], int], None] | None = None,
     ):
+        """`committed(owner, own tokens, first new one)`: a turn was acknowledged (cluster mode)."""
         self.store, self.scheduler, self.lock, self.decode, self.wake = store, scheduler, lock, decode, wake
-        self.cluster = cluster
+        self.cluster, self.committed = cluster, committed
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hcache-durable")
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -74,6 +76,8 @@ class Finisher:
                 return
             self.cluster.release(seq.lease)
             seq.lease = None
+            if self.committed is not None:
+                self.committed(s.id, tokens, seq.keep - s.base)
         with self.lock:
             s.history = None
             s.busy = False

@@ -30,6 +30,7 @@ from hcache.server.http import SidePort
 from hcache.server.interceptors import CountingInterceptor, ParsingInterceptor
 from hcache.server.metrics import Metrics
 from hcache.server.servicer import Servicer
+from hcache.storage.chunk_tier import ChunkTier
 from hcache.storage.dirs import ensure_dirs
 from hcache.storage.redis_catalogue import RedisCatalogue
 from hcache.storage.store import ChunkStore
@@ -109,7 +110,8 @@ def cluster_link(cfg: Config) -> ClusterLink | None:
     if not s.cluster:
         return None
     catalogue = RedisCatalogue(s.cluster, ttl_ms=s.lease_ms)
-    link = ClusterLink(catalogue, s.replica_name or None)
+    tier = ChunkTier(catalogue.r, s.cluster, s.chunk_ttl_s) if s.cluster_chunks != "off" else None
+    link = ClusterLink(catalogue, s.replica_name or None, chunks=tier, chunk_policy=s.cluster_chunks)
     log.info("sessions shared through %s as replica %s", s.cluster, link.holder)
     return link
 

@@ -247,9 +247,12 @@ class _StateCollector(Collector):
         by_source = CounterMetricFamily(
             "hcache_restores_by_source", "Session state brought back, by where it came from", labels=["source"]
         )
-        by_source.add_metric(["local"], c.restores)
+        chunks = snap.cluster.chunks if snap.cluster is not None else None
+        fetched = chunks.fetches if chunks is not None else 0
+        by_source.add_metric(["local"], max(0, c.restores - fetched))  # a fetch then restores locally
         if snap.cluster is not None:
-            by_source.add_metric(["recompute"], snap.cluster.counters.adoptions)
+            by_source.add_metric(["cluster"], fetched)
+            by_source.add_metric(["recompute"], snap.cluster.counters.recomputes)
         yield by_source
         if snap.cluster is not None:
             yield from _cluster_metrics(snap.cluster)
@@ -274,3 +277,23 @@ def _cluster_metrics(cl: ClusterState) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "hcache_cluster_recomputed_tokens", "Tokens of cluster records recomputed here", k.recomputed_tokens
     )
+    ch = cl.chunks
+    if ch is None:
+        return
+    yield CounterMetricFamily("hcache_cluster_chunk_read_bytes", "Chunk bytes fetched from the cluster", ch.bytes_read)
+    yield CounterMetricFamily(
+        "hcache_cluster_chunk_tokens", "Tokens whose state came from the cluster's chunks", ch.tokens
+    )
+    yield CounterMetricFamily(
+        "hcache_cluster_chunk_misses", "Chunk streams cut short by an evicted or unusable chunk", ch.misses
+    )
+    yield CounterMetricFamily(
+        "hcache_cluster_chunk_uploaded_bytes", "Chunk bytes put in the cluster", ch.uploaded_bytes
+    )
+    yield CounterMetricFamily(
+        "hcache_cluster_chunk_upload_drops", "Turns whose chunk upload was dropped (cluster slow)", ch.upload_drops
+    )
+    yield CounterMetricFamily(
+        "hcache_cluster_chunk_upload_failures", "Turns whose chunk upload failed", ch.upload_failures
+    )
+    yield GaugeMetricFamily("hcache_cluster_chunk_read_gbps", "Measured chunk read bandwidth", ch.read_gbps)

@@ -1,0 +1,266 @@
+"""Scale-out benchmark: two `hcache serve --cluster` replicas on a 3-master Redis Cluster
+started here (loopback, temporary directories).
+
+1. The serving trace of `bench serve` (Poisson arrivals, multi-turn chat) twice, each on
+   fresh replicas and an emptied cluster: routed by session affinity (the client's
+   rendezvous hashing), then every turn to a replica drawn at random. Reported: TTFT
+   p50/p99, restores by source (local, cluster, recompute) and the bytes moved (records,
+   chunks fetched, chunks uploaded), from the replicas' /metrics.
+2. One long session (about `--long-tokens` tokens) made on replica A, then one short turn
+   each: on A after evicting it (local restore), on B (fetches A's chunks from the
+   cluster) and on C (`--cluster-chunks off`: recomputes it). Reported: TTFT of each.
+
+Writes bench/results/cluster.json."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from hcache.benchmarks import report
+from hcache.benchmarks.serve import WORDS, SessionPlan, _free_port, make_trace, play
+from hcache.client import Client, wait_for_server
+
+METRICS = {  # what a phase reports, summed over replicas: /metrics sample -> key
+    'hcache_restores_by_source_total{source="local"}': "restores_local",
+    'hcache_restores_by_source_total{source="cluster"}': "restores_cluster",
+    'hcache_restores_by_source_total{source="recompute"}': "restores_recompute",
+    "hcache_cluster_read_bytes_total": "record_bytes_read",
+    "hcache_cluster_written_bytes_total": "record_bytes_written",
+    "hcache_cluster_chunk_read_bytes_total": "chunk_bytes_fetched",
+    "hcache_cluster_chunk_uploaded_bytes_total": "chunk_bytes_uploaded",
+    "hcache_cluster_chunk_upload_drops_total": "chunk_upload_drops",
+    "hcache_cluster_recomputed_tokens_total": "recomputed_tokens",
+}
+
+
+class Redis:
+    """Three cluster-enabled masters, no persistence (a benchmark), volatile-lru."""
+
+    def __init__(self, root: Path, base_port: int):
+        self.ports = [base_port + i for i in range(3)]
+        self.procs = []
+        for p in self.ports:
+            d = root / f"redis-{p}"
+            d.mkdir(parents=True)
+            args = ["--port", str(p), "--bind", "127.0.0.1", "--dir", str(d), "--cluster-enabled", "yes"]
+            args += ["--cluster-config-file", "nodes.conf", "--save", "", "--maxmemory-policy", "volatile-lru"]
+            log = open(d / "redis.log", "w")  # noqa: SIM115 - closed with the process
+            self.procs.append(subprocess.Popen(["redis-server", *args], stdout=log, stderr=subprocess.STDOUT))
+        for p in self.ports:
+            while self.cli(p, "PING") != "PONG":
+                time.sleep(0.1)
+        nodes = [f"127.0.0.1:{p}" for p in self.ports]
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+        )
+        while not all("cluster_state:ok" in self.cli(p, "CLUSTER", "INFO") for p in self.ports):
+            time.sleep(0.2)
+        self.url = "redis://" + ",".join(nodes)
+
+    @staticmethod
+    def cli(port: int, *cmd: str) -> str:
+        return subprocess.run(["redis-cli", "-p", str(port), *cmd], capture_output=True, text=True).stdout.strip()
+
+    def flush(self) -> None:
+        for p in self.ports:
+            self.cli(p, "FLUSHALL")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+
+class Replica:
+    def __init__(self, args: argparse.Namespace, root: Path, url: str, name: str, policy: str):
+        self.port, self.http = _free_port(), _free_port()
+        cmd = [sys.executable, "-m", "hcache.cli", "serve", "--port", str(self.port), "--http-port", str(self.http)]
+        cmd += ["--dtype", args.dtype, "--dirs", str(root / name), "--kv-budget-mb", str(args.budget_mb)]
+        cmd += ["--cluster", url, "--replica-name", name, "--cluster-chunks", policy]
+        cmd += ["--profile", args.profile] if args.profile else []
+        root.mkdir(parents=True, exist_ok=True)
+        self.log = root / f"{name}.log"
+        out = open(self.log, "w")  # noqa: SIM115 - closed with the process
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+        self.target = f"127.0.0.1:{self.port}"
+        try:
+            wait_for_server(self.target, timeout=600, alive=lambda: self.proc.poll() is None)
+        except RuntimeError:
+            raise RuntimeError(f"replica {name} did not start; see {self.log}") from None
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/metrics", timeout=30) as r:
+            text = r.read().decode()
+        out = dict.fromkeys(METRICS.values(), 0.0)
+        for line in text.splitlines():
+            name, _, value = line.rpartition(" ")
+            if name in METRICS:
+                out[METRICS[name]] = float(value)
+        return out
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    return round(statistics.quantiles(xs, n=100, method="inclusive")[int(q * 100) - 1], 1) if len(xs) > 1 else None
+
+
+def run_phase(args: argparse.Namespace, root: Path, redis: Redis, routing: str) -> dict:
+    redis.flush()
+    reps = [Replica(args, root / routing, redis.url, f"{routing}-{n}", args.policy) for n in "ab"]
+    try:
+        targets = [r.target for r in reps]
+        rng = random.Random(args.seed)
+        ttft: list[float] = []
+        turn_ms: list[float] = []  # to the turn's last event: acknowledged after its commit
+        errors: list[str] = []
+        lock = threading.Lock()
+
+        def session(plan: SessionPlan) -> None:
+            with Client(targets) as routed, Client(targets[0]) as ca, Client(targets[1]) as cb:
+                try:
+                    sid = routed.create_session("You are a helpful assistant.").session_id
+                    for turn, think in zip(plan.turns, plan.think_s, strict=True):
+                        with lock:
+                            c = routed if routing == "affinity" else rng.choice((ca, cb))
+                        t0 = time.perf_counter()
+                        first = None
+                        for r in c.generate(sid, turn.message, max_new_tokens=turn.max_new, seed=args.seed):
+                            if first is None and not r.finished:
+                                first = time.perf_counter()
+                        with lock:
+                            ttft.append(((first or time.perf_counter()) - t0) * 1e3)
+                            turn_ms.append((time.perf_counter() - t0) * 1e3)
+                        time.sleep(think)
+                except Exception as e:  # reported, not fatal: the rest of the trace runs
+                    with lock:
+                        errors.append(f"{type(e).__name__}: {e}")
+
+        wall = play(make_trace(args), session)
+        time.sleep(1.0)  # uploads behind the last turns
+        totals = dict.fromkeys(METRICS.values(), 0.0)
+        for r in reps:
+            for k, v in r.metrics().items():
+                totals[k] += v
+        return {
+            "routing": routing,
+            "turns": len(ttft),
+            "ttft_p50_ms": pct(ttft, 0.5),
+            "ttft_p99_ms": pct(ttft, 0.99),
+            "turn_p50_ms": pct(turn_ms, 0.5),
+            "turn_p99_ms": pct(turn_ms, 0.99),
+            "wall_s": round(wall, 1),
+            "errors": errors[:10],
+            **totals,
+        }
+    finally:
+        for r in reps:
+            r.stop()
+
+
+def one_turn_ttft(c: Client, sid: str) -> tuple[float, float]:
+    """TTFT of a one-token turn and the server's restore time."""
+    t0 = time.perf_counter()
+    first, restore = None, 0.0
+    for r in c.generate(sid, "Go on.", max_new_tokens=1):
+        if first is None and not r.finished:
+            first = time.perf_counter()
+        if r.finished:
+            restore = r.stats.restore_ms
+    return round(((first or time.perf_counter()) - t0) * 1e3, 1), round(restore, 1)
+
+
+def run_long(args: argparse.Namespace, root: Path, redis: Redis) -> dict:
+    redis.flush()
+    reps = {
+        name: Replica(args, root / "long", redis.url, f"long-{name}", policy)
+        for name, policy in (("a", "always"), ("b", "always"), ("c", "off"))
+    }
+    try:
+        rng = random.Random(args.seed)
+        text = " ".join(rng.choice(WORDS) for _ in range(args.long_tokens))
+        with Client(reps["a"].target) as ca, Client(reps["b"].target) as cb, Client(reps["c"].target) as cc:
+            sid = ca.create_session("You are a helpful assistant.").session_id
+            ca.reply(sid, f"Remember this: {text}", max_new_tokens=1)
+            tokens = ca.get(sid).num_tokens
+            up, deadline = -1.0, time.monotonic() + 120
+            while time.monotonic() < deadline:  # until the chunks are all up
+                now = reps["a"].metrics()["chunk_bytes_uploaded"]
+                if now and now == up:
+                    break
+                up = now
+                time.sleep(1.0)
+            ca.evict(sid)
+            local = one_turn_ttft(ca, sid)
+            cluster = one_turn_ttft(cb, sid)
+            recompute = one_turn_ttft(cc, sid)
+            fetched = reps["b"].metrics()["chunk_bytes_fetched"]
+        return {
+            "tokens": tokens,
+            "chunk_bytes_uploaded": up,
+            "chunk_bytes_fetched": fetched,
+            "local": {"ttft_ms": local[0], "restore_ms": local[1]},
+            "cluster": {"ttft_ms": cluster[0], "restore_ms": cluster[1]},
+            "recompute": {"ttft_ms": recompute[0], "restore_ms": recompute[1]},
+        }
+    finally:
+        for r in reps.values():
+            r.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hcache bench cluster", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sessions", type=int, default=16)
+    p.add_argument("--rate", type=float, default=0.5, help="session arrivals per second")
+    p.add_argument("--min-turns", type=int, default=2)
+    p.add_argument("--max-turns", type=int, default=5)
+    p.add_argument("--doc-words", type=int, default=400, help="mean words of a session's first message")
+    p.add_argument("--msg-words", type=int, default=30)
+    p.add_argument("--reply", type=int, default=32, help="mean reply tokens")
+    p.add_argument("--max-reply", type=int, default=96)
+    p.add_argument("--think-s", type=float, default=2.0, help="mean think time between turns")
+    p.add_argument("--long-tokens", type=int, default=8192, help="words of the long session (0: skip it)")
+    p.add_argument("--budget-mb", type=int, default=64, help="each replica's resident KV budget")
+    p.add_argument("--policy", default="auto", choices=("auto", "always", "off"), help="--cluster-chunks")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--profile", default="", help="a profile JSON for the replicas (default: theirs)")
+    p.add_argument("--redis-port", type=int, default=27101, help="first of three ports (port + 10000 free too)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/results/cluster.json")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="hcache-bench-cluster-") as tmp:
+        root = Path(tmp)
+        redis = Redis(root, args.redis_port)
+        try:
+            phases = [run_phase(args, root, redis, routing) for routing in ("affinity", "random")]
+            long = run_long(args, root, redis) if args.long_tokens else None
+        finally:
+            redis.stop()
+    data = {"args": vars(args), "phases": phases, "long_session": long}
+
+    def table() -> None:
+        cols = ["routing", "turns", "ttft_p50_ms", "ttft_p99_ms", "restores_local", "restores_cluster"]
+        cols += ["restores_recompute", "chunk_bytes_fetched", "chunk_bytes_uploaded", "record_bytes_read"]
+        print(" ".join(f"{c:>20}" for c in cols))
+        for ph in phases:
+            print(" ".join(f"{ph[c]!s:>20}" for c in cols))
+        if long:
+            print(f"long session ({long['tokens']} tokens), one-token turn TTFT ms:", end="")
+            print(" ".join(f" {k} {long[k]['ttft_ms']}" for k in ("local", "cluster", "recompute")))
+
+    return report(data, args.out, args.json, table)

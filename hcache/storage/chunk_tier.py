@@ -1,0 +1,91 @@
+"""Session chunks in the cluster: a second, shared tier behind the local store. A chunk is
+one layer's rows of one kind for 64 tokens of an owner, under the owner's hash tag so that
+one MGET brings a layer's chunks from one server:
+
+  hc:{id}:c:{layer}:{kind}:{index}   header + the chunk's valid rows, with a TTL
+
+The header carries the rows' checksum and a hash of the owner's token ids up to the chunk's
+last row. H and KV of a token depend on every token before it, so a chunk is used only for
+the exact token prefix it was computed from: a chunk left by a rewritten or failed turn, or
+cut short, or flipped in transit, reads as missing. Keys have a TTL, so Redis's
+`volatile-lru` evicts chunks under memory pressure and never the records (which have none):
+a missing chunk costs recompute, never correctness."""
+
+from __future__ import annotations
+
+import secrets
+import struct
+import time
+from typing import Any
+
+import xxhash
+
+from hcache.storage.catalogue import pack_tokens
+from hcache.storage.layout import CHUNK_TOKENS, Kind, checksum
+
+HEADER = struct.Struct("<qqI")  # checksum of the rows, hash of the token prefix, rows
+
+
+def chunk_key(owner: str, layer: int, kind: Kind, idx: int) -> str:
+    return f"hc:{{{owner}}}:c:{layer}:{kind.value}:{idx}"
+
+
+def prefix_hash(tokens: list[int]) -> int:
+    """xxh3-64 of the token ids as int32, signed like `checksum`."""
+    v = xxhash.xxh3_64_intdigest(pack_tokens(tokens))
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def chunk_rows(n_tokens: int, idx: int) -> int:
+    """Valid rows of chunk `idx` of an owner with `n_tokens` tokens."""
+    return max(0, min(CHUNK_TOKENS, n_tokens - idx * CHUNK_TOKENS))
+
+
+def pack(rows: bytes | memoryview, n_rows: int, tokens: list[int]) -> bytes:
+    """The value of a chunk holding `n_rows` rows computed from `tokens` (the owner's, up to
+    and including the chunk's last row)."""
+    return HEADER.pack(checksum(rows), prefix_hash(tokens), n_rows) + bytes(rows)
+
+
+def unpack(value: bytes | None, tokens: list[int], n_rows: int, row_bytes: int) -> memoryview | None:
+    """The rows if `value` is the chunk of exactly this token prefix, intact; else None."""
+    if value is None or len(value) != HEADER.size + n_rows * row_bytes:
+        return None
+    crc, pre, rows = HEADER.unpack_from(value)
+    body = memoryview(value)[HEADER.size :]
+    if rows != n_rows or pre != prefix_hash(tokens) or crc != checksum(body):
+        return None
+    return body
+
+
+class ChunkTier:
+    """Chunk bytes in Redis (a Redis Cluster or one server), through a redis-py client."""
+
+    def __init__(self, client: Any, url: str, ttl_s: int = 86_400):
+        self.r, self.url, self.ttl_s = client, url, ttl_s
+
+    def put(self, items: list[tuple[str, bytes]]) -> None:
+        """One pipeline of SET EX: on a cluster it groups the commands per server."""
+        pipe = self.r.pipeline(transaction=False)
+        for k, v in items:
+            pipe.set(k, v, ex=self.ttl_s)
+        pipe.execute()
+
+    def get(self, keys: list[str]) -> list[bytes | None]:
+        """Keys of one owner (one hash slot): one MGET."""
+        return list(self.r.mget(keys)) if keys else []
+
+    def measure_gbps(self, nbytes: int = 4 << 20, rounds: int = 3) -> float:
+        """Read bandwidth of one large GET (the best of `rounds`), as a restore's MGET of a
+        layer's chunks sees it; the probe key expires by itself."""
+        key = f"hc:{{probe-{secrets.token_hex(4)}}}:bw"
+        self.r.set(key, secrets.token_bytes(1024) * (nbytes // 1024), ex=60)
+        try:
+            best = float("inf")
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                self.r.get(key)
+                best = min(best, time.perf_counter() - t0)
+        finally:
+            self.r.delete(key)
+        return nbytes / best / 1e9
