@@ -84,10 +84,12 @@ class Redis:
 
 
 class Replica:
-    def __init__(self, args: argparse.Namespace, root: Path, url: str, name: str, policy: str):
+    def __init__(
+        self, args: argparse.Namespace, root: Path, url: str, name: str, policy: str, budget_mb: int | None = None
+    ):
         self.port, self.http = _free_port(), _free_port()
         cmd = [sys.executable, "-m", "hcache.cli", "serve", "--port", str(self.port), "--http-port", str(self.http)]
-        cmd += ["--dtype", args.dtype, "--dirs", str(root / name), "--kv-budget-mb", str(args.budget_mb)]
+        cmd += ["--dtype", args.dtype, "--dirs", str(root / name), "--kv-budget-mb", str(budget_mb or args.budget_mb)]
         cmd += ["--cluster", url, "--replica-name", name, "--cluster-chunks", policy]
         cmd += ["--profile", args.profile] if args.profile else []
         root.mkdir(parents=True, exist_ok=True)
@@ -187,7 +189,7 @@ def one_turn_ttft(c: Client, sid: str) -> tuple[float, float]:
 def run_long(args: argparse.Namespace, root: Path, redis: Redis) -> dict:
     redis.flush()
     reps = {
-        name: Replica(args, root / "long", redis.url, f"long-{name}", policy)
+        name: Replica(args, root / "long", redis.url, f"long-{name}", policy, args.long_budget_mb)
         for name, policy in (("a", "always"), ("b", "always"), ("c", "off"))
     }
     try:
@@ -235,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--think-s", type=float, default=2.0, help="mean think time between turns")
     p.add_argument("--long-tokens", type=int, default=8192, help="words of the long session (0: skip it)")
     p.add_argument("--budget-mb", type=int, default=64, help="each replica's resident KV budget")
+    p.add_argument("--long-budget-mb", type=int, default=1024, help="the long session's replicas' KV budget")
     p.add_argument("--policy", default="auto", choices=("auto", "always", "off"), help="--cluster-chunks")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--profile", default="", help="a profile JSON for the replicas (default: theirs)")
