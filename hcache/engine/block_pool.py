@@ -14,8 +14,7 @@ import torch.nn.functional as F
 
 from hcache.config import ModelConfig
 from hcache.model.attention import causal_attention
-
-BLOCK_TOKENS = 64
+from hcache.model.decode import BLOCK_TOKENS
 
 
 class OutOfBlocks(Exception):

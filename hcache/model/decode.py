@@ -26,7 +26,7 @@ from hcache.model.base import DecoderModel
 
 log = logging.getLogger(__name__)
 
-BLOCK_TOKENS = 64
+BLOCK_TOKENS = 64  # tokens per block of the engine's pool (engine/block_pool.py)
 
 
 @dataclass
