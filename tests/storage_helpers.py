@@ -3,9 +3,11 @@ stale or corrupt row is visible when read back."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from hcache.config import ModelConfig
+from hcache.config import ModelConfig, StorageConfig
 from hcache.storage.layout import Kind, stored
 from hcache.storage.store import ChunkStore
 
@@ -21,6 +23,17 @@ GEOM = ModelConfig(
     max_position=4096,
 )
 KINDS = [None, Kind.HIDDEN, Kind.KV, Kind.HIDDEN, Kind.KV]
+
+
+def open_store(dirs: list[Path], **kw) -> ChunkStore:
+    return ChunkStore(StorageConfig([str(d) for d in dirs], **kw), GEOM, torch.float32)
+
+
+def dirs_in(tmp_path: Path, n: int = 3) -> list[Path]:
+    out = [tmp_path / f"d{i}" for i in range(n)]
+    for d in out:
+        d.mkdir()
+    return out
 
 
 def h_rows(layer: int, start: int, n: int, salt: float = 0.0) -> torch.Tensor:

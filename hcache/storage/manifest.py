@@ -1,7 +1,8 @@
 """The manifest: SQLite in WAL mode with synchronous=FULL, so a committed row
 survives a crash. Owners carry their token ids, model fingerprint and which
 representation each layer stores; chunk rows point at slots whose bytes were
-already durable when the row was committed."""
+already durable when the row was committed. Several owners' rows may point at one
+slot: a forked session shares its parent's whole chunks until it rewrites them."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hcache.storage.errors import StorageError, UnknownOwner
-from hcache.storage.layout import KV_LAYOUT, Kind
+from hcache.storage.layout import CHUNK_TOKENS, KV_LAYOUT, Kind
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -41,7 +42,13 @@ CREATE TABLE IF NOT EXISTS chunks(
   checksum INTEGER NOT NULL,
   PRIMARY KEY(owner, layer, idx, kind)
 ) WITHOUT ROWID;
-CREATE UNIQUE INDEX IF NOT EXISTS chunks_slot ON chunks(dir, slab, slot);
+CREATE TABLE IF NOT EXISTS prefixes(  -- chat sessions' token prefixes, one row per whole chunk
+  hash BLOB NOT NULL,               -- prefixes.prefix_hashes: the tenant and every token before ntokens
+  owner TEXT NOT NULL,
+  ntokens INTEGER NOT NULL,
+  PRIMARY KEY(owner, ntokens)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS prefixes_hash ON prefixes(hash);
 CREATE TABLE IF NOT EXISTS expired(  -- owners deleted for being idle too long: asked for, they say so
   owner TEXT PRIMARY KEY,
   tenant TEXT,
@@ -94,6 +101,7 @@ class Manifest:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(SCHEMA)
+        self.db.execute("DROP INDEX IF EXISTS chunks_slot")  # slots were unique before forks shared them
         self.lock = threading.Lock()
 
     def close(self) -> None:
@@ -135,10 +143,15 @@ class Manifest:
             rows = self.db.execute("SELECT * FROM owners ORDER BY created").fetchall()
         return [_owner(r) for r in rows]
 
-    def set_tokens(self, owner: str, tokens: list[int], meta: dict | None = None) -> None:
+    def set_tokens(
+        self, owner: str, tokens: list[int], meta: dict | None = None, prefixes: list[bytes] | None = None
+    ) -> None:
         """Make a turn durable: its chunks were committed before this. `meta` (the session's
-        conversation) changes in the same statement, so tokens and messages never disagree."""
-        with self.lock:
+        conversation) changes in the same transaction, so tokens and messages never disagree;
+        so do the owner's prefix hashes (`prefixes`: one per whole chunk of `tokens`; None
+        leaves those still within `tokens` as they are)."""
+        with self.lock, self.db:
+            self.db.execute("BEGIN IMMEDIATE")
             if meta is None:
                 self.db.execute(
                     "UPDATE owners SET tokens=?, num_tokens=?, updated=? WHERE owner=?",
@@ -149,6 +162,64 @@ class Manifest:
                     "UPDATE owners SET tokens=?, num_tokens=?, meta=?, updated=? WHERE owner=?",
                     (_pack(tokens), len(tokens), json.dumps(meta), time.time(), owner),
                 )
+            self._index(owner, len(tokens), prefixes)
+
+    def _index(self, owner: str, n: int, prefixes: list[bytes] | None) -> None:
+        self.db.execute("DELETE FROM prefixes WHERE owner=? AND ntokens>?", (owner, n))
+        if prefixes is not None:
+            self.db.executemany(
+                "INSERT OR REPLACE INTO prefixes VALUES(?, ?, ?)",
+                [(h, owner, (k + 1) * CHUNK_TOKENS) for k, h in enumerate(prefixes)],
+            )
+
+    def find_prefixes(self, hashes: list[bytes]) -> list[tuple[str, int]]:
+        """(owner, tokens) of every indexed prefix among `hashes`, longest first."""
+        if not hashes:
+            return []
+        with self.lock:
+            rows = self.db.execute(
+                f"SELECT owner, ntokens FROM prefixes WHERE hash IN ({','.join('?' * len(hashes))}) "
+                "ORDER BY ntokens DESC, owner",
+                hashes,
+            ).fetchall()
+        return [(r[0], r[1]) for r in rows]
+
+    def fork_owner(
+        self,
+        parent: str,
+        child: str,
+        meta: dict,
+        n: int,
+        prefixes: list[bytes] | None,
+    ) -> tuple[OwnerRow, list[ChunkRow]]:
+        """A new owner `child` whose first `n` tokens (whole chunks) are the parent's: it gets
+        the parent's fingerprint and layer kinds, and rows pointing at the parent's slots for
+        those chunks, in one transaction. Returns the child's row and its chunk rows."""
+        if n % CHUNK_TOKENS:
+            raise ValueError(f"a fork shares whole chunks, not {n} tokens")
+        now = time.time()
+        with self.lock, self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            r = self.db.execute("SELECT * FROM owners WHERE owner=?", (parent,)).fetchone()
+            if r is None:
+                raise UnknownOwner(f"unknown owner {parent}")
+            par = _owner(r)
+            if par.num_tokens < n:
+                raise ValueError(f"owner {parent} has {par.num_tokens} durable tokens, cannot share {n}")
+            tokens = par.tokens[:n]
+            self.db.execute(
+                "INSERT INTO owners VALUES(?, 'session', ?, ?, ?, ?, ?, ?, ?)",
+                (child, par.fingerprint, par.layer_kinds, n, _pack(tokens), json.dumps(meta), now, now),
+            )
+            self.db.execute(
+                "INSERT INTO chunks SELECT ?, layer, idx, kind, dir, slab, slot, ntokens, checksum "
+                "FROM chunks WHERE owner=? AND idx<?",
+                (child, parent, n // CHUNK_TOKENS),
+            )
+            rows = self.db.execute("SELECT * FROM chunks WHERE owner=?", (child,)).fetchall()
+            self._index(child, n, prefixes)
+        row = OwnerRow(child, "session", par.fingerprint, par.layer_kinds, n, tokens, meta, now, now)
+        return row, [ChunkRow(*c) for c in rows]
 
     def delete_owner(self, owner: str, expired: bool = False) -> list[ChunkRow]:
         """Delete the owner and its chunk rows; `expired` leaves a tombstone in the same transaction."""
@@ -160,6 +231,7 @@ class Manifest:
                 tenant = json.loads(r[0]).get("tenant") if r else None
                 self.db.execute("INSERT OR REPLACE INTO expired VALUES(?, ?, ?)", (owner, tenant, time.time()))
             self.db.execute("DELETE FROM chunks WHERE owner=?", (owner,))
+            self.db.execute("DELETE FROM prefixes WHERE owner=?", (owner,))
             self.db.execute("DELETE FROM owners WHERE owner=?", (owner,))
         return [ChunkRow(*r) for r in rows]
 

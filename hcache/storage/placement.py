@@ -1,16 +1,18 @@
 """Where chunks live: every directory's slab files and slot allocators, and the in-memory
-index of committed chunks with their write versions, kept in step under one lock."""
+index of committed chunks with their write versions, kept in step under one lock. A slot
+may be referenced by several owners' rows (a fork shares its parent's chunks): it is freed
+when the last row referencing it goes."""
 
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from hcache.config import StorageConfig
 from hcache.storage.errors import StorageFull, UnknownOwner
 from hcache.storage.layout import CHUNK_TOKENS, ChunkShape, Kind, home_dir, parse_slab
-from hcache.storage.manifest import ChunkRow, Manifest
+from hcache.storage.manifest import ChunkRow, Manifest, OwnerRow
 from hcache.storage.slab import SlabFile, SlotAllocator
 from hcache.storage.stats import StoreStats
 
@@ -33,6 +35,7 @@ class Placement:
         self.allocs: dict[tuple[int, str], SlotAllocator] = {}
         self.index: dict[str, ChunkIndex] = {}
         self.seqs: dict[tuple[str, int, int, str], int] = {}  # the newest committed write of each chunk
+        self.refs: Counter[tuple[int, str, int]] = Counter()  # (dir, slab, slot) -> rows referencing it
         self._recover({s.slab for s in shapes.values()}, stats)
 
     def _recover(self, names: set[str], stats: StoreStats) -> None:
@@ -52,6 +55,7 @@ class Placement:
         for r in rows:
             if r not in stale_set:
                 used[(r.dir, r.slab)].add(r.slot)
+                self.refs[(r.dir, r.slab, r.slot)] += 1
                 self.index[r.owner][(r.layer, r.kind)][r.idx] = r
         names = names | {k[1] for k in used}
         for d, path in enumerate(self.dirs):
@@ -156,8 +160,22 @@ class Placement:
             replaced = self.manifest.commit_chunks(keep)
             for r in keep:
                 self.index[r.owner][(r.layer, r.kind)][r.idx] = r
-            for r in replaced + drop:
+                self.refs[(r.dir, r.slab, r.slot)] += 1
+            self._unref(replaced)
+            for r in drop:  # written, never committed: no row references its slot
                 self.release(r.dir, r.slab, r.slot)
+
+    def _unref(self, rows: list[ChunkRow]) -> list[ChunkRow]:
+        """Rows gone from the manifest; frees the slots no row references any more (returned)."""
+        freed = []
+        for r in rows:
+            key = (r.dir, r.slab, r.slot)
+            self.refs[key] -= 1
+            if self.refs[key] <= 0:
+                del self.refs[key]
+                self.release(r.dir, r.slab, r.slot)
+                freed.append(r)
+        return freed
 
     def chunk_index(self, owner: str) -> ChunkIndex:
         """A copy of the owner's committed chunks."""
@@ -170,6 +188,16 @@ class Placement:
         with self.lock:
             self.index[owner] = defaultdict(dict)
 
+    def fork(self, parent: str, child: str, meta: dict, n: int, prefixes: list[bytes] | None) -> OwnerRow:
+        """A new owner sharing the parent's chunks of its first `n` tokens (see Manifest.fork_owner)."""
+        with self.lock:
+            row, rows = self.manifest.fork_owner(parent, child, meta, n, prefixes)
+            self.index[child] = defaultdict(dict)
+            for r in rows:
+                self.index[child][(r.layer, r.kind)][r.idx] = r
+                self.refs[(r.dir, r.slab, r.slot)] += 1
+            return row
+
     def forget_versions(self, owner: str) -> None:
         """The owner's next writes start a new history (after a truncation or a deletion)."""
         with self.lock:
@@ -181,8 +209,7 @@ class Placement:
         with self.lock:
             rows = self.manifest.delete_owner(owner, expired)
             self.index.pop(owner, None)
-            for r in rows:
-                self.release(r.dir, r.slab, r.slot)
+            self._unref(rows)
             for alloc in self.allocs.values():
                 alloc.drop_reservations(owner)
             self._trim()
@@ -200,9 +227,9 @@ class Placement:
             before = sum(self.in_use(d) for d in range(len(self.dirs)))
             for layer, kind in drop:
                 idx.pop((layer, kind.value), None)
-            for r in rows:
-                self.release(r.dir, r.slab, r.slot)
+            for r in self._unref(rows):
                 self.slab(r.dir, r.slab).punch(r.slot)
+            for r in rows:
                 self.seqs.pop((r.owner, r.layer, r.idx, r.kind), None)
             for (_, name), alloc in self.allocs.items():
                 for layer, kind in drop:

@@ -37,6 +37,7 @@ from hcache.storage.layout import (
 )
 from hcache.storage.manifest import OwnerRow, open_manifest
 from hcache.storage.placement import Placement
+from hcache.storage.prefixes import prefix_hashes
 from hcache.storage.reader import OwnerReader, Want, read_chunk
 from hcache.storage.readpool import ReadPool
 from hcache.storage.slab import aligned_buffer
@@ -185,9 +186,13 @@ class ChunkStore:
                 t.copy_(kv[layer][lo:hi])
             self.submit(batch)
 
-    def mark_durable(self, owner: str, tokens: list[int], meta: dict | None = None) -> None:
+    def mark_durable(
+        self, owner: str, tokens: list[int], meta: dict | None = None, index_as: str | None = None
+    ) -> None:
         """End of a turn: write the tail chunks, wait for every chunk of the owner to be
-        committed, then record the token ids (and `meta`). Returns only when the turn is durable."""
+        committed, then record the token ids (and `meta`). Returns only when the turn is durable.
+        `index_as`: a namespace (the tenant) under which later conversations that extend these
+        tokens find them (`find_prefix`)."""
         self.owner_row(owner)
         done: Future = Future()
         self.packer.inbox.put(FlushTail(owner, done))
@@ -199,7 +204,23 @@ class ChunkStore:
             raise StorageError(f"saving {owner} failed: {err}") from err
         if staged != len(tokens):
             raise ValueError(f"owner {owner}: {len(tokens)} token ids for {staged} staged rows")
-        self.manifest.set_tokens(owner, tokens, meta)
+        self.manifest.set_tokens(owner, tokens, meta, None if index_as is None else prefix_hashes(tokens, index_as))
+
+    def find_prefix(self, tokens: list[int], namespace: str) -> list[tuple[str, int]]:
+        """(owner, n) of the owners indexed under `namespace` whose durable tokens may start
+        with `tokens[:n]` (whole chunks; a hash match: compare the tokens), longest first."""
+        return self.manifest.find_prefixes(prefix_hashes(tokens, namespace))
+
+    def fork(self, parent: str, child: str, n: int, meta: dict, index_as: str | None = None) -> OwnerRow:
+        """A new session `child` whose first `n` tokens (whole chunks) share the parent's stored
+        chunks: nothing is copied, and what either writes later goes to fresh slots. The caller
+        keeps the parent quiet meanwhile (no turn, no release): its committed chunks are read."""
+        with self.lock:
+            if self.manifest.get_owner(child) is not None:
+                raise ValueError(f"owner {child} already exists")
+            tokens = self.owner_row(parent).tokens[:n]
+            prefixes = None if index_as is None else prefix_hashes(tokens, index_as)
+            return self.placement.fork(parent, child, meta, n, prefixes)
 
     def truncate(self, owner: str, n: int) -> None:
         """Forget tokens past `n` (a conversation rewritten from there). Durable at once."""

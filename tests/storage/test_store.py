@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from storage_helpers import GEOM, KINDS, check_all, expected, save
+from storage_helpers import GEOM, KINDS, check_all, dirs_in, expected, open_store, save
 
 from hcache.config import StorageConfig
 from hcache.storage.buffers import LayerBuffers
@@ -25,16 +25,9 @@ from hcache.storage.stats import StoreStats
 from hcache.storage.store import MANIFEST, ChunkStore
 
 
-def open_store(dirs, **kw) -> ChunkStore:
-    return ChunkStore(StorageConfig([str(d) for d in dirs], **kw), GEOM, torch.float32)
-
-
 @pytest.fixture
 def dirs(tmp_path):
-    out = [tmp_path / f"d{i}" for i in range(3)]
-    for d in out:
-        d.mkdir()
-    return out
+    return dirs_in(tmp_path)
 
 
 def chat_turns(store: ChunkStore, owner: str, turns=((70, 5), (30, 40)), kinds=KINDS) -> int:

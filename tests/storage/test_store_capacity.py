@@ -13,9 +13,8 @@ import time
 from pathlib import Path
 
 import torch
-from storage_helpers import GEOM, KINDS, check_all, expected, save
+from storage_helpers import GEOM, KINDS, check_all, dirs_in, expected, open_store, save
 
-from hcache.config import StorageConfig
 from hcache.storage.capacity import Space, release_order
 from hcache.storage.fsck import fsck
 from hcache.storage.layout import CHUNK_TOKENS, Kind, chunk_shapes, stored
@@ -23,17 +22,6 @@ from hcache.storage.store import ChunkStore
 
 HERE = Path(__file__).parents[1]  # tests/: release_proc.py and its helpers
 H, KV = Kind.HIDDEN, Kind.KV
-
-
-def open_store(dirs, **kw) -> ChunkStore:
-    return ChunkStore(StorageConfig([str(d) for d in dirs], **kw), GEOM, torch.float32)
-
-
-def dirs_in(tmp_path: Path, n: int = 2) -> list[Path]:
-    out = [tmp_path / f"d{i}" for i in range(n)]
-    for d in out:
-        d.mkdir()
-    return out
 
 
 def check_stored(st: ChunkStore, owner: str) -> None:
@@ -67,7 +55,7 @@ def test_space_asks_for_release_only_below_the_low_watermark() -> None:
 
 
 def test_release_records_what_is_left_and_frees_slots(tmp_path) -> None:
-    dirs = dirs_in(tmp_path)
+    dirs = dirs_in(tmp_path, 2)
     with open_store(dirs) as st:
         for o in ("a", "b"):
             st.create_owner(o, KINDS, "fp")
@@ -103,7 +91,7 @@ def test_release_records_what_is_left_and_frees_slots(tmp_path) -> None:
 
 
 def test_an_owner_with_no_chunks_gives_up_nothing(tmp_path) -> None:
-    with open_store(dirs_in(tmp_path)) as st:
+    with open_store(dirs_in(tmp_path, 2)) as st:
         st.create_owner("new", KINDS, "fp")  # created, no turn yet
         assert st.stored_bytes("new") == 0
         assert st.release("new", 1 << 40) == 0
@@ -171,7 +159,7 @@ def test_released_slots_take_new_chunks_under_a_quota(tmp_path) -> None:
 
 
 def test_kill_9_during_releases_loses_no_turn_and_leaks_no_slot(tmp_path) -> None:
-    dirs = dirs_in(tmp_path)
+    dirs = dirs_in(tmp_path, 2)
     env = {**os.environ, "PYTHONPATH": f"{HERE}:{os.environ.get('PYTHONPATH', '')}"}
     acked: dict[str, int] = {}
     releases = 0
