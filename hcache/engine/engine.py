@@ -140,6 +140,29 @@ class Engine:
             self._publish(s)
         return s
 
+    def continue_chat(self, messages: list[dict[str, str]], tenant: str | None = None) -> tuple[Session, int]:
+        """A new session for a conversation resent in full, its last message the user's new
+        turn: it shares the stored state of the tenant's longest stored conversation that this
+        one extends (whole 64-token chunks, copy-on-write), which stays as it was; with none,
+        it starts empty. Returns the session and how many tokens it shares."""
+        self._check_open()
+        if not messages or messages[-1].get("role") != "user":
+            raise InvalidArgument("the last message must be the user's")
+        history = checks.history(messages[:-1])
+        ids = self.tok.encode_chat([*history, messages[-1]])
+        with self.lock:
+            checks.session_limit(self.registry.sessions.values(), tenant, self.cfg.max_sessions_per_tenant)
+            found = self.registry.match(ids, tenant)
+            if found is None:
+                s, shared = self.registry.create("session", {}, [], history, tenant), 0
+            else:
+                s, shared = self.registry.fork(found[0], found[1], history, tenant), found[1]
+                self.counters.prefix_matches += 1
+                self.counters.prefix_tokens += shared
+        if self.cluster is not None:
+            self._publish(s)
+        return s, shared
+
     def precompute_context(
         self,
         text: str = "",

@@ -56,7 +56,7 @@ class Finisher:
     def _make_durable(self, seq: Sequence, tokens: list[int], meta: dict) -> None:
         s = seq.session
         try:
-            self.store.mark_durable(s.id, tokens, meta)
+            self.store.mark_durable(s.id, tokens, meta, s.index_as)
         except Exception as e:
             log.error("turn of %s not durable: %s", s.id, e)
             full = isinstance(e, StorageFull)
@@ -77,7 +77,8 @@ class Finisher:
             self.cluster.release(seq.lease)
             seq.lease = None
             if self.committed is not None:
-                self.committed(s.id, tokens, seq.keep - s.base)
+                # a first turn uploads every chunk: a fork's shared ones are its own in the cluster
+                self.committed(s.id, tokens, 0 if s.turns <= 1 else seq.keep - s.base)
         with self.lock:
             s.history = None
             s.busy = False

@@ -26,6 +26,8 @@ class Counters:
     fallback_layers: int = 0
     generated_tokens: int = 0
     expiries: int = 0  # sessions deleted for being idle longer than the TTL
+    prefix_matches: int = 0  # resent conversations that continued a stored one (a fork)
+    prefix_tokens: int = 0  # the tokens those forks shared instead of computing
 
 
 @dataclass(frozen=True)

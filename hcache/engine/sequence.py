@@ -65,6 +65,14 @@ class Session:
         return self.tokens[self.base :]
 
     @property
+    def index_as(self) -> str | None:
+        """The namespace (its tenant's) under which a chat session's stored prefixes are found
+        by resent conversations; None for sessions on a context or fed token ids."""
+        if self.kind != "session" or self.parent is not None or self.prefix or self.mode != "chat":
+            return None
+        return "tenant:" + self.tenant if self.tenant is not None else "-"
+
+    @property
     def acknowledged(self) -> list[int]:
         """The token ids a new turn continues."""
         return self.history if self.history is not None else self.tokens

@@ -108,9 +108,46 @@ class Registry:
         self.sessions[s.id] = s
         return s
 
+    def match(self, ids: list[int], tenant: str | None) -> tuple[Session, int] | None:
+        """The idle chat session of `tenant` whose stored tokens share the longest prefix of
+        whole chunks with `ids`, leaving at least the last token of `ids` to feed; and how
+        many tokens. Called under the engine's lock, so the session stays idle meanwhile."""
+        ns = Session("", "session", [], None, 0, [], mode="chat", tenant=tenant).index_as
+        assert ns is not None
+        for owner, n in self.store.find_prefix(ids[:-1], ns):
+            s = self.sessions.get(owner)
+            if (
+                s is not None
+                and s.tenant == tenant
+                and s.index_as == ns
+                and not (s.busy or s.releasing or s.error)
+                and s.tokens[:n] == ids[:n]  # not only the hash
+            ):
+                return s, n
+        return None
+
+    def fork(self, parent: Session, n: int, messages: list[dict], tenant: str | None) -> Session:
+        """A new chat session whose first `n` tokens (whole chunks) share `parent`'s stored state;
+        `parent` stays as it was. Called under the engine's lock with `parent` idle."""
+        s = Session(
+            id=new_id(),
+            kind="session",
+            prefix=[],
+            parent=None,
+            base=0,
+            tokens=parent.tokens[:n],
+            messages=messages,
+            mode="chat",
+            tenant=tenant,
+        )
+        self.store.fork(parent.id, s.id, n, s.meta().to_dict(), s.index_as)
+        self.sessions[s.id] = s
+        return s
+
     def record(self, s: Session) -> Record:
-        """What the cluster keeps of a new session or context."""
-        return Record(s.id, s.kind, self.fingerprint, encode_layer_kinds(list(self.kinds)), [], s.meta().to_dict())
+        """What the cluster keeps of a new session or context (a fork: with its shared tokens)."""
+        layers = self.store.owner_row(s.id).layer_kinds
+        return Record(s.id, s.kind, self.fingerprint, layers, list(s.own_tokens), s.meta().to_dict())
 
     def adopt(self, rec: Record) -> Session:
         """A session or context first seen in the cluster: its local state is empty (its

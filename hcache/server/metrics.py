@@ -186,6 +186,8 @@ class Metrics(Telemetry):
                 "bytes_released": snap.storage.bytes_released,
                 "demotions": snap.storage.demotions,
                 "expiries": c.expiries,
+                "prefix_matches": c.prefix_matches,
+                "prefix_tokens": c.prefix_tokens,
                 "generated_tokens": c.generated_tokens,
                 "queue_depth": snap.queue.by_phase(),
             },
@@ -217,6 +219,12 @@ class _StateCollector(Collector):
             "hcache_sessions_demoted", "Releases: an idle session or context gave up some of its layers", st.demotions
         )
         yield CounterMetricFamily("hcache_sessions_expired", "Sessions deleted for being idle past the TTL", c.expiries)
+        yield CounterMetricFamily(
+            "hcache_prefix_matches", "Resent conversations that continued a stored one", c.prefix_matches
+        )
+        yield CounterMetricFamily(
+            "hcache_prefix_shared_tokens", "Tokens those conversations shared from the stored one", c.prefix_tokens
+        )
         yield GaugeMetricFamily(
             "hcache_storage_capacity_bytes", "What the store may hold, all directories", st.capacity_bytes
         )

@@ -3,8 +3,10 @@ events or not) and `/v1/models`.
 
 A request names its session (`session_id` in the body, which openai-python sends through
 `extra_body`, or an `x-session-id` header) and then resends the conversation: the session's
-stored messages plus one new user message. Without a session, the conversation starts a new
-session. Every response names its session (`session_id`, and the `x-session-id` header).
+stored messages plus one new user message. Without a session, the turn runs in a new session
+that shares the stored state of the longest conversation under the same API key that the
+request extends (whole 64-token chunks, copy-on-write; the stored one stays as it was). Every
+response names its session (`session_id`, and the `x-session-id` header).
 API keys arrive as `Authorization: Bearer` and are the gRPC side's tenants."""
 
 from __future__ import annotations
@@ -225,7 +227,7 @@ def _start(
                 "messages",
             )
         return s, engine.generate(s.id, msgs[-1]["content"], None, params, stops, who, sink)
-    s = engine.create_session(history=msgs[:-1], tenant=who)
+    s, _ = engine.continue_chat(msgs, who)
     try:
         return s, engine.generate(s.id, msgs[-1]["content"], None, params, stops, who, sink)
     except Exception:

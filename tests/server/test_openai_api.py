@@ -122,6 +122,40 @@ def test_four_turns_resent_in_full_with_a_session_id_match_grpc(live):
         assert r.headers["x-session-id"] == sid and r.parse().session_id == sid
 
 
+LONG_SYSTEM = (
+    "You are a helpful assistant for travellers in Europe. Answer every question in one short, plain "
+    "sentence, without lists, headings or emphasis, and say so when you do not know the answer. "
+    "Prefer well-known facts about capitals, rivers, food and history over opinions."
+)  # over a chunk: stored prefixes are matched in whole 64-token chunks
+
+
+def test_four_turns_resent_in_full_without_a_session_id_match_grpc(live):
+    c = oai(live)
+    msgs: list[dict] = [{"role": "system", "content": LONG_SYSTEM}]
+    seen: list[str] = []
+    with grpc_client(live) as g:
+        gsid = g.create_session(LONG_SYSTEM).session_id
+        for i, turn in enumerate(TURNS):
+            msgs.append({"role": "user", "content": turn})
+            r = c.chat.completions.create(model="default", messages=msgs, temperature=0.8, max_tokens=10, seed=7)
+            want = g.reply(gsid, turn, max_new_tokens=10, temperature=0.8, seed=7).text
+            assert r.choices[0].message.content == want, i
+            assert r.session_id not in seen  # a new session each turn; the stored one stays as it was
+            if i:
+                cached = r.usage.prompt_tokens_details.cached_tokens
+                assert 0 < cached < r.usage.prompt_tokens and cached % 64 == 0, cached
+                # the sessions it shares with keep their own conversations
+                assert [live.engine.get(sid, "alice").messages for sid in seen] == [
+                    msgs[: 2 * k + 3] for k in range(len(seen))
+                ]
+            seen.append(r.session_id)
+            msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+    # another key resending the same conversation shares nothing
+    resent = [*msgs, {"role": "user", "content": "Hi"}]
+    r = oai(live, KEY_B).chat.completions.create(model="default", messages=resent, max_tokens=2)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
 def test_evicted_session_continues_from_storage(live):
     c = oai(live)
     msgs = [{"role": "user", "content": "Count to five."}]

@@ -88,6 +88,7 @@ function tiles(t) {
     ["store", `${fmtBytes(t.store_occupied_bytes)} / ${fmtBytes(t.store_capacity_bytes)}`],
     ["released", `${fmtBytes(t.bytes_released)} · ${t.demotions} demotions`],
     ["expired sessions", t.expiries],
+    ["resent chats matched", `${t.prefix_matches} · ${t.prefix_tokens} tokens shared`],
     ["tokens generated", t.generated_tokens],
     ["queue", Object.entries(t.queue_depth).map(([k, v]) => `${k} ${v}`).join(" · ")],
   ];
