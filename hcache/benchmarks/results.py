@@ -252,7 +252,8 @@ def _openai(data: dict) -> list[str]:
         "## Serving trace over gRPC and the OpenAI API",
         "",
         f"`hcache bench serve --api openai` on {data.get('cpu', 'an unnamed CPU')}: the trace over gRPC, then "
-        "through openai-python (streamed, each turn resending the whole conversation and naming its session), each "
+        "through openai-python (streamed, each turn resending the whole conversation: `openai` as a stock client does, "
+        "the server finding the stored conversation it extends; `openai-pinned` naming the session), each "
         "on a fresh server. TTFT is client-side, medians and p99 of every turn; cached is cached_tokens over "
         "prompt_tokens after each session's first turn. Targets: OpenAI TTFT p50 within 1.2x of gRPC; cached >= 90%.",
         "",

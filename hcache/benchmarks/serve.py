@@ -183,9 +183,10 @@ def run_trace(target: str, trace: list[SessionPlan], seed: int) -> Result:
     return res
 
 
-def run_trace_openai(base_url: str, trace: list[SessionPlan], seed: int) -> Result:
+def run_trace_openai(base_url: str, trace: list[SessionPlan], seed: int, pin: bool = False) -> Result:
     """The same trace through `/v1/chat/completions` with openai-python, streamed, each turn
-    resending the whole conversation and naming its session as a client pins it."""
+    resending the whole conversation: as a stock client does (the server finds the stored
+    conversation it extends), or naming the session the first reply named (`pin`)."""
     import openai
 
     res = Result()
@@ -208,7 +209,7 @@ def run_trace_openai(base_url: str, trace: list[SessionPlan], seed: int) -> Resu
                     seed=seed,
                     stream=True,
                     stream_options={"include_usage": True},
-                    extra_body={"session_id": sid} if sid else None,
+                    extra_body={"session_id": sid} if sid and pin else None,
                 )
                 for ch in stream:
                     sid = sid or ch.session_id
@@ -280,7 +281,8 @@ def plot(rows: list[dict], path: Path) -> None:
         for ax, key in zip(axes, ("ttft_ms", "tbt_ms"), strict=True):
             xs = sorted(row[key])
             if xs:
-                label = row["method"] if row.get("api", "grpc") == "grpc" else f"{row['method']} (OpenAI API)"
+                api = row.get("api", "grpc")
+                label = row["method"] if api == "grpc" else f"{row['method']} ({api})"
                 ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
     for ax, title in zip(axes, ("TTFT", "time between tokens"), strict=True):
         ax.set_xscale("log")
@@ -321,14 +323,15 @@ def main(argv: list[str] | None = None) -> int:
         "--api",
         default="grpc",
         choices=["grpc", "openai"],
-        help="openai: each method runs over gRPC and over /v1/chat/completions (full histories resent)",
+        help="openai: each method runs over gRPC and over /v1/chat/completions, full histories resent by a "
+        "stock client (openai) and by one that names its session (openai-pinned)",
     )
     ap.add_argument("--out", default="bench/results/serve.json")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     trace = make_trace(args)
     rows = []
-    apis = ["grpc", "openai"] if args.api == "openai" else ["grpc"]
+    apis = ["grpc", "openai", "openai-pinned"] if args.api == "openai" else ["grpc"]
     runs = [(m, m, 0.0, api) for m in args.methods for api in apis]
     if args.store_fraction:
         runs.append((f"auto@{args.store_fraction:g}", "auto", args.store_fraction, "grpc"))
@@ -346,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             if api == "grpc":
                 res = run_trace(target, trace, args.seed)
             else:
-                res = run_trace_openai(f"http://127.0.0.1:{http}/v1", trace, args.seed)
+                res = run_trace_openai(f"http://127.0.0.1:{http}/v1", trace, args.seed, pin=api == "openai-pinned")
             row = summarize(label, res, api)
             totals = store_totals(http)
             state_bytes = state_bytes or totals["store_occupied_bytes"]  # the first run's, unlimited
@@ -370,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     data = {"args": vars(args), "cpu": cpu_name(), "rows": rows, "plot": str(png)}
 
     def table() -> None:
-        hdr = f"{'method':10}{'api':>7}{'turns':>6}{'restored':>9}{'TTFT p50':>10}{'p99':>9}{'TBT p50':>9}{'p99':>8}"
+        hdr = f"{'method':10}{'api':>14}{'turns':>6}{'restored':>9}{'TTFT p50':>10}{'p99':>9}{'TBT p50':>9}{'p99':>8}"
         hdr += f"{'restore':>9}{'local':>6}{'RE':>4}{'store MB':>9}{'sess/s':>8}{'TTFT/auto':>10}{'/gRPC':>7}"
         print(hdr + f"{'cached':>8}{'errors':>7}")
         for r in rows:
@@ -381,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             cap = f"{r['store_max_bytes'] / 1e6:.0f}" if r["store_max_bytes"] else "-"
             print(
-                f"{r['method']:10}{r['api']:>7}{r['turns']:>6}{restored:>9}{r['ttft_p50_ms']:>10.0f}"
+                f"{r['method']:10}{r['api']:>14}{r['turns']:>6}{restored:>9}{r['ttft_p50_ms']:>10.0f}"
                 f"{r['ttft_p99_ms']:>9.0f}{r['tbt_p50_ms']:>9.0f}{r['tbt_p99_ms']:>8.0f}"
                 f"{(f'{rest:.0f}' if rest else '-'):>9}{local:>6}{re_:>4}{cap:>9}"
                 f"{r['sessions_per_s']:>8.3f}{r['ttft_p50_vs_auto']:>10.2f}{r['ttft_p50_vs_grpc']:>7.2f}"

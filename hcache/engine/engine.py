@@ -156,9 +156,16 @@ class Engine:
             if found is None:
                 s, shared = self.registry.create("session", {}, [], history, tenant), 0
             else:
-                s, shared = self.registry.fork(found[0], found[1], history, tenant), found[1]
+                parent, shared = found
+                s = self.registry.fork(parent, shared, history, tenant)
                 self.counters.prefix_matches += 1
                 self.counters.prefix_tokens += shared
+                if parent.cache is not None and parent.cache.length >= shared:
+                    # the parent is idle and durable: its memory goes to the fork, which a client
+                    # resending histories continues, instead of the fork reading it back from disk
+                    s.cache, parent.cache = parent.cache, None
+                    s.cache.truncate(shared)
+                    self.counters.kv_handovers += 1
         if self.cluster is not None:
             self._publish(s)
         return s, shared

@@ -28,6 +28,7 @@ class Counters:
     expiries: int = 0  # sessions deleted for being idle longer than the TTL
     prefix_matches: int = 0  # resent conversations that continued a stored one (a fork)
     prefix_tokens: int = 0  # the tokens those forks shared instead of computing
+    kv_handovers: int = 0  # forks that took their resident parent's KV memory instead of restoring
 
 
 @dataclass(frozen=True)

@@ -110,11 +110,15 @@ class Registry:
 
     def match(self, ids: list[int], tenant: str | None) -> tuple[Session, int] | None:
         """The idle chat session of `tenant` whose stored tokens share the longest prefix of
-        whole chunks with `ids`, leaving at least the last token of `ids` to feed; and how
-        many tokens. Called under the engine's lock, so the session stays idle meanwhile."""
+        whole chunks with `ids`, leaving at least the last token of `ids` to feed, and how
+        many tokens; among equals, one still in memory, then the most recently used. Called
+        under the engine's lock, so the session stays idle meanwhile."""
         ns = Session("", "session", [], None, 0, [], mode="chat", tenant=tenant).index_as
         assert ns is not None
+        best: tuple[int, bool, float, Session] | None = None
         for owner, n in self.store.find_prefix(ids[:-1], ns):
+            if best is not None and n < best[0]:
+                break
             s = self.sessions.get(owner)
             if (
                 s is not None
@@ -123,8 +127,9 @@ class Registry:
                 and not (s.busy or s.releasing or s.error)
                 and s.tokens[:n] == ids[:n]  # not only the hash
             ):
-                return s, n
-        return None
+                key = (n, s.cache is not None and s.cache.length >= n, s.last_used, s)
+                best = key if best is None or key[1:3] > best[1:3] else best
+        return (best[3], best[0]) if best is not None else None
 
     def fork(self, parent: Session, n: int, messages: list[dict], tenant: str | None) -> Session:
         """A new chat session whose first `n` tokens (whole chunks) share `parent`'s stored state;

@@ -49,6 +49,8 @@ def test_resent_chat_forks_the_longest_stored_one_and_stays_exact(default_model,
             msgs.append({"role": "assistant", "content": tok.decode(got)})
             forks.append(s)
         assert eng.counters.prefix_matches == len(TURNS) - 1 and eng.counters.prefix_tokens > 0
+        assert eng.counters.kv_handovers == len(TURNS) - 1  # each parent was resident: its KV moved over
+        assert not any(f.resident for f in forks[:-1])
         # the shared state outlives its parent: delete every earlier session, evict the last
         for s in forks[:-1]:
             eng.delete(s.id, "alice")
@@ -56,7 +58,9 @@ def test_resent_chat_forks_the_longest_stored_one_and_stays_exact(default_model,
         msgs.append({"role": "user", "content": "Goodbye."})
         s, shared = eng.continue_chat(msgs, "alice")
         assert shared > 0
+        restores = eng.counters.restores
         got, _ = turn(eng, s.id, message="Goodbye.", params=PARAMS)
+        assert eng.counters.restores == restores + 1  # read back from the shared chunks
         want, _ = turn(eng, ref.id, message="Goodbye.", params=PARAMS)
         assert got == want
         # another tenant never matches; neither does a conversation that differs early
