@@ -101,3 +101,7 @@ def test_drain_fits_the_grace_period(toml):
     assert one("StatefulSet")["spec"]["serviceName"] in {
         d["metadata"]["name"] for d in docs() if d["kind"] == "Service"
     }
+
+
+def test_example_config_is_the_configmaps():
+    assert (DEPLOY / "hcache.toml").read_text() == one("ConfigMap")["data"]["hcache.toml"]
