@@ -1,20 +1,30 @@
 """deploy/ cannot drift from the code: every flag, port, path and config key the container
-build and the Kubernetes manifests name exists in `hcache serve` and its HTTP app."""
+build, the Kubernetes manifests and the Docker Compose file name exists in `hcache serve` and
+its HTTP app. Compose's Redis masters and its init script run for real (slow; needs redis-server)."""
 
 from __future__ import annotations
 
 import re
+import secrets
+import shlex
+import shutil
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import yaml
+from cluster_helpers import RedisCluster, cluster_ports
 
 from hcache import config
 from hcache.cli import parser
 from hcache.server.http import build_app
 from hcache.server.metrics import Metrics
+from hcache.storage.catalogue import Record
+from hcache.storage.redis_catalogue import RedisCatalogue, parse_url
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+COMPOSE = DEPLOY / "compose.yaml"
 
 
 def docs() -> list[dict]:
@@ -101,3 +111,206 @@ def test_drain_fits_the_grace_period(toml):
     assert one("StatefulSet")["spec"]["serviceName"] in {
         d["metadata"]["name"] for d in docs() if d["kind"] == "Service"
     }
+
+
+def test_example_config_is_the_configmaps():
+    assert (DEPLOY / "hcache.toml").read_text() == one("ConfigMap")["data"]["hcache.toml"]
+
+
+# --- Docker Compose (deploy/compose.yaml) ----------------------------------------------------
+
+
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def argv(service: dict) -> list[str]:
+    cmd = service["command"]
+    return shlex.split(cmd) if isinstance(cmd, str) else cmd
+
+
+def opt(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def masters() -> dict[str, dict]:
+    return {n: s for n, s in compose()["services"].items() if argv(s)[0] == "redis-server"}
+
+
+def replicas() -> dict[str, dict]:
+    return {n: s for n, s in compose()["services"].items() if "build" in s}
+
+
+def init() -> tuple[str, dict]:
+    (name,) = set(compose()["services"]) - set(masters()) - set(replicas())
+    return name, compose()["services"][name]
+
+
+def init_script() -> str:
+    args = argv(init()[1])
+    assert args[:2] == ["sh", "-c"] and len(args) == 3
+    return args[2].replace("$$", "$")  # what compose hands the shell
+
+
+def strings(node: object) -> list[str]:
+    if isinstance(node, dict):
+        return [s for v in node.values() for s in strings(v)]
+    if isinstance(node, list):
+        return [s for v in node for s in strings(v)]
+    return [node] if isinstance(node, str) else []
+
+
+def test_compose_passes_the_shell_its_dollars():
+    # compose fills $NAME and ${NAME} from its own environment (empty when unset): the shell's are $$
+    assert all("$" not in s.replace("$$", "") for s in strings(compose()))
+
+
+def test_compose_replicas_run_hcache_serve(toml):
+    c, flags = compose(), serve_flags()
+    init_name, _ = init()
+    assert len(replicas()) == 2
+    for name, s in replicas().items():
+        args = argv(s)
+        assert all(isinstance(a, str) for a in args), args
+        assert {a for a in args if a.startswith("--")} <= flags, set(args) - flags
+        build = s["build"]
+        assert (COMPOSE.parent / build["context"]).resolve() / build["dockerfile"] == DEPLOY / "Dockerfile"
+        assert s["depends_on"] == {init_name: {"condition": "service_completed_successfully"}}
+        assert opt(args, "--replica-name") == name
+        # the config file, keys and TLS files sit where the config says
+        source = {x["target"]: x["source"] for x in s["configs"]}[opt(args, "--config")]
+        assert (COMPOSE.parent / c["configs"][source]["file"]).resolve() == DEPLOY / "hcache.toml"
+        assert {x["source"] for x in s["secrets"]} <= set(c["secrets"])
+        srv = toml.server
+        assert {srv.api_keys_file, srv.tls_cert_file, srv.tls_key_file} <= {x["target"] for x in s["secrets"]}
+        # its own named volume holds the store and the measured profiles
+        ((volume, mount),) = [v.split(":") for v in s["volumes"]]
+        assert volume in c["volumes"] and volume not in masters()
+        assert all(d.startswith(mount + "/") for d in toml.storage.dirs) and toml.profile_dir.startswith(mount + "/")
+        drain = float(opt(args, "--drain-seconds")) if "--drain-seconds" in args else srv.drain_seconds
+        assert float(s["stop_grace_period"].removesuffix("s")) > drain
+    volumes = [v for s in replicas().values() for v in s["volumes"]]
+    assert len(set(volumes)) == len(volumes)
+
+
+def test_compose_ports_match_the_config(toml):
+    published = []
+    for s in replicas().values():
+        assert all(isinstance(p, str) for p in s["ports"])  # unquoted, YAML may read HOST:PORT in base 60
+        host, container = zip(*(p.rsplit(":", 1) for p in s["ports"]), strict=True)  # [IP:]HOST:CONTAINER
+        assert sorted(map(int, container)) == sorted([toml.server.port, toml.server.http_port])
+        published += host
+    assert len(set(published)) == len(published)  # distinct per replica on the host
+
+
+def test_compose_healthchecks_name_routes_of_the_app(toml):
+    routes = {getattr(r, "path", None) for r in build_app(Metrics()).routes}
+    for s in replicas().values():
+        test = s["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "python", "-c"] and len(test) == 4
+        compile(test[3], "healthcheck", "exec")
+        ((scheme, port, path),) = re.findall(r"(https?)://[\w.]+:(\d+)(/[\w/]*)", test[3])
+        assert scheme == ("https" if toml.server.tls_cert_file else "http")
+        assert int(port) == toml.server.http_port
+        assert path == "/readyz" and path in routes
+    for s in masters().values():
+        assert s["healthcheck"]["test"] == ["CMD", "redis-cli", "-p", opt(argv(s), "--port"), "ping"]
+
+
+def test_compose_cluster_names_the_redis_masters():
+    nodes = [(name, int(opt(argv(s), "--port"))) for name, s in masters().items()]
+    assert len(nodes) == 3 and len({p for _, p in nodes}) == 3
+    for s in replicas().values():
+        assert parse_url(opt(argv(s), "--cluster")) == nodes
+    _, init_svc = init()
+    assert init_svc["depends_on"] == {name: {"condition": "service_healthy"} for name, _ in nodes}
+    assert init_svc["restart"] == "no"
+    script = init_script()
+    create = re.search(r"redis-cli --cluster create (.+)", script).group(1).split()
+    assert create == [f"{n}:{p}" for n, p in nodes] + ["--cluster-replicas", "0", "--cluster-yes"]
+    # every address the script names is a master's
+    named = set(re.findall(r"\b(redis-\d+):(\d+)", script)) | set(re.findall(r"-h (redis-\d+) -p (\d+)", script))
+    assert {(n, int(p)) for n, p in named} == set(nodes)
+    for name, s in masters().items():
+        args = argv(s)
+        assert all(isinstance(a, str) for a in args), args  # unquoted, YAML reads yes as true
+        assert len(args) % 2 == 1
+        settings = dict(zip(args[1::2], args[2::2], strict=True))
+        assert all(k.startswith("--") for k in settings)
+        assert settings["--cluster-enabled"] == "yes" and settings["--appendonly"] == "yes"
+        assert settings.get("--cluster-announce-hostname", name) == name
+        assert settings["--maxmemory-policy"] == "volatile-lru"  # chunks (with a TTL) go first, records never
+        assert "--dir" not in settings and s["volumes"] == [f"{name}:/data"]  # the image's working directory
+        assert s["image"] == init_svc["image"]
+
+
+class ComposeRedis(RedisCluster):
+    """The compose file's masters on loopback, each started with exactly the arguments its service
+    gives redis-server (plus --bind 127.0.0.1), in a directory of its own as its volume; a service's
+    name becomes 127.0.0.1 and its port a free one, here and in the init script."""
+
+    def __init__(self, root: Path):  # RedisCluster's own creates the cluster its way; this one does not
+        for tool in ("redis-server", "redis-cli", "getent"):
+            if shutil.which(tool) is None:
+                pytest.skip(f"{tool} is not installed (`make test` installs Debian's redis-server)")
+        self.root, self.maxmemory_mb, self.procs = root, 0, {}
+        self.services = masters()
+        self.readdress()
+
+    def readdress(self) -> None:
+        """Every master at a new port, as a recreated container comes back at a new address."""
+        self.ports = cluster_ports(len(self.services))
+        self.name_of = dict(zip(self.ports, self.services, strict=True))
+        for p in self.ports:
+            self.start_node(p)
+
+    def local(self, text: str) -> str:
+        for port, name in self.name_of.items():
+            text = re.sub(rf"\b{re.escape(name)}\b", "127.0.0.1", text)
+            text = re.sub(rf"\b{opt(argv(self.services[name]), '--port')}\b", str(port), text)
+        return text
+
+    def start_node(self, port: int) -> None:
+        name = self.name_of[port]
+        d = self.root / name
+        d.mkdir(exist_ok=True)
+        args = [self.local(a) for a in argv(self.services[name])] + ["--bind", "127.0.0.1"]
+        log = open(d / "redis.log", "ab")  # noqa: SIM115 - the process keeps it
+        self.procs[port] = subprocess.Popen(args, cwd=d, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while not self._cli(port, "PING").startswith("PONG"):
+            if time.monotonic() > deadline or self.procs[port].poll() is not None:
+                raise RuntimeError(f"{name} did not start: {(d / 'redis.log').read_text()[-2000:]}")
+            time.sleep(0.05)
+
+    def run_init(self) -> str:
+        out = subprocess.run(["sh", "-c", self.local(init_script())], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+
+@pytest.mark.slow
+def test_compose_redis_cluster_forms_and_comes_back(tmp_path):
+    c = ComposeRedis(tmp_path)
+    try:
+        assert "All 16384 slots covered" in c.run_init()
+        c.wait_ok()
+        (url,) = {opt(argv(s), "--cluster") for s in replicas().values()}
+        cat = RedisCatalogue(c.local(url))  # what each replica connects to
+        assert cat.cluster and cat.problems() == []
+        owners = [secrets.token_hex(16) for _ in range(12)]  # spread over the three masters' slots
+        for i, o in enumerate(owners):
+            cat.create(Record(o, "session", "fp", "K", [i, i + 1]))
+        cat.close()
+        c.run_init()  # a second `docker compose up`: the cluster exists; init succeeds and changes nothing
+        c.wait_ok()
+        # `docker compose down` and `up`: the same volumes, every master at a new address
+        c.stop()
+        c.readdress()
+        assert "16384 slots" not in c.run_init()  # met again, not created again
+        c.wait_ok()
+        cat = RedisCatalogue(c.local(url))
+        assert [cat.get(o).tokens for o in owners] == [[i, i + 1] for i in range(len(owners))]
+        cat.close()
+    finally:
+        c.stop()

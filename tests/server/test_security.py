@@ -1,12 +1,18 @@
 """API keys (each key owns its sessions and contexts), TLS with a self-signed certificate
-made here, and the per-key and message-size limits, all through real gRPC on loopback."""
+made here, and the per-key and message-size limits, all through real gRPC on loopback; and the
+same keys and certificate on the HTTP side, driven over HTTPS by the official `openai` package."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import socket
+import ssl
+import urllib.error
+import urllib.request
 
 import grpc
+import openai
 import pytest
 from engine_helpers import profile_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -64,7 +70,7 @@ def secure(default_model, tmp_path_factory):
         ),
         server=ServerConfig(
             port=0,
-            http_port=-1,
+            http_port=0,
             api_keys_file=str(d / "keys"),
             tls_cert_file=str(cert),
             tls_key_file=str(key),
@@ -153,3 +159,43 @@ def test_keys_file_validation(tmp_path):
         load_keys(p)
     p.write_text(f"{KEY_A}\n")
     assert next(iter(load_keys(p).values())).startswith("key-")
+
+
+def openai_client(base: str, key: str, http: openai.DefaultHttpxClient) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=60, http_client=http)
+
+
+def test_openai_api_over_https(secure):
+    run, pem = secure
+    base = f"https://127.0.0.1:{run.http_port}"
+    msgs = [{"role": "user", "content": "Hi!"}]
+    # trusted through the self-signed certificate, as a client given the server's CA file is
+    with openai.DefaultHttpxClient(verify=ssl.create_default_context(cadata=pem.decode())) as http:
+        assert http.get(f"{base}/healthz").text == "ok\n"
+        ok = openai_client(base, KEY_A, http)
+        assert [m.id for m in ok.models.list().data] == [run.engine.model_name]
+        r = ok.chat.completions.create(model="default", messages=msgs, max_tokens=3, temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens > 0
+        bad = openai_client(base, "wrong-key-0123456789", http)
+        with pytest.raises(openai.AuthenticationError) as e:
+            bad.chat.completions.create(model="default", messages=msgs, max_tokens=2)
+        assert e.value.status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+    # a client that trusts only the system's CAs refuses the certificate
+    with pytest.raises(urllib.error.URLError) as e:
+        urllib.request.urlopen(f"{base}/healthz", timeout=30)
+    assert isinstance(e.value.reason, ssl.SSLCertVerificationError)
+
+
+def test_plaintext_http_to_the_tls_port_gets_no_response(secure):
+    run, _ = secure
+    with openai.DefaultHttpxClient() as http, pytest.raises(openai.APIConnectionError):
+        openai_client(f"http://127.0.0.1:{run.http_port}", KEY_A, http).models.list()
+    # nothing comes back in plaintext: the TLS handshake fails and the connection closes
+    with socket.create_connection(("127.0.0.1", run.http_port), timeout=30) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        reply = b""
+        while chunk := s.recv(4096):
+            reply += chunk
+    assert not reply.startswith(b"HTTP/") and b"ok" not in reply, reply
