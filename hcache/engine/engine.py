@@ -421,6 +421,7 @@ class Engine:
             self.cluster.create(self.registry.record(s))
         except BaseException:
             with self.lock:
+                self.scheduler.evict(s)  # a fork may hold its parent's memory already
                 self.registry.delete(s)
             raise
 
