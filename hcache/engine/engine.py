@@ -143,7 +143,8 @@ class Engine:
     def continue_chat(self, messages: list[dict[str, str]], tenant: str | None = None) -> tuple[Session, int]:
         """A new session for a conversation resent in full, its last message the user's new
         turn: it shares the stored state of the tenant's longest stored conversation that this
-        one extends (whole 64-token chunks, copy-on-write), which stays as it was; with none,
+        one extends (found by whole 64-token chunks, then matched token by token; shared
+        copy-on-write), which stays as it was; with none,
         it starts empty. Returns the session and how many tokens it shares."""
         self._check_open()
         if not messages or messages[-1].get("role") != "user":

@@ -19,7 +19,7 @@ from hcache.restore.profile import Geometry, Profile
 from hcache.restore.sources import SharedSource, StoreSource
 from hcache.restore.state import StateSource
 from hcache.storage.catalogue import Record
-from hcache.storage.layout import Kind, Stored, encode_layer_kinds
+from hcache.storage.layout import CHUNK_TOKENS, Kind, Stored, encode_layer_kinds
 from hcache.storage.store import ChunkStore
 
 
@@ -109,30 +109,39 @@ class Registry:
         return s
 
     def match(self, ids: list[int], tenant: str | None) -> tuple[Session, int] | None:
-        """The idle chat session of `tenant` whose stored tokens share the longest prefix of
-        whole chunks with `ids`, leaving at least the last token of `ids` to feed, and how
-        many tokens; among equals, one still in memory, then the most recently used. Called
-        under the engine's lock, so the session stays idle meanwhile."""
+        """The idle chat session of `tenant` that shares the longest prefix with `ids`, leaving
+        at least the last token of `ids` to feed, and how many tokens. Candidates come from the
+        index of whole chunks; the shared prefix then runs on token by token into the next
+        chunk. Among equals, one still in memory, then the most recently used. Called under
+        the engine's lock, so the session stays idle meanwhile."""
         ns = Session("", "session", [], None, 0, [], mode="chat", tenant=tenant).index_as
         assert ns is not None
         best: tuple[int, bool, float, Session] | None = None
         for owner, n in self.store.find_prefix(ids[:-1], ns):
-            if best is not None and n < best[0]:
-                break
+            if best is not None and n + CHUNK_TOKENS <= best[0]:
+                break  # a shorter chunk match cannot reach past the best one's tokens
             s = self.sessions.get(owner)
             if (
-                s is not None
-                and s.tenant == tenant
-                and s.index_as == ns
-                and not (s.busy or s.releasing or s.error)
-                and s.tokens[:n] == ids[:n]  # not only the hash
+                s is None
+                or s.tenant != tenant
+                or s.index_as != ns
+                or s.busy
+                or s.releasing
+                or s.error
+                or s.tokens[:n] != ids[:n]  # not only the hash
             ):
-                key = (n, s.cache is not None and s.cache.length >= n, s.last_used, s)
-                best = key if best is None or key[1:3] > best[1:3] else best
+                continue
+            k = n
+            for a, b in zip(s.tokens[n : n + CHUNK_TOKENS], ids[n : len(ids) - 1], strict=False):
+                if a != b:
+                    break
+                k += 1
+            key = (k, s.cache is not None and s.cache.length >= k, s.last_used, s)
+            best = key if best is None or key[:3] > best[:3] else best
         return (best[3], best[0]) if best is not None else None
 
     def fork(self, parent: Session, n: int, messages: list[dict], tenant: str | None) -> Session:
-        """A new chat session whose first `n` tokens (whole chunks) share `parent`'s stored state;
+        """A new chat session whose first `n` tokens share `parent`'s stored state;
         `parent` stays as it was. Called under the engine's lock with `parent` idle."""
         s = Session(
             id=new_id(),

@@ -5,7 +5,8 @@ A request names its session (`session_id` in the body, which openai-python sends
 `extra_body`, or an `x-session-id` header) and then resends the conversation: the session's
 stored messages plus one new user message. Without a session, the turn runs in a new session
 that shares the stored state of the longest conversation under the same API key that the
-request extends (whole 64-token chunks, copy-on-write; the stored one stays as it was). Every
+request extends (found by whole 64-token chunks, matched token by token, shared copy-on-write;
+the stored one stays as it was). Every
 response names its session (`session_id`, and the `x-session-id` header).
 API keys arrive as `Authorization: Bearer` and are the gRPC side's tenants."""
 

@@ -2,7 +2,7 @@
 survives a crash. Owners carry their token ids, model fingerprint and which
 representation each layer stores; chunk rows point at slots whose bytes were
 already durable when the row was committed. Several owners' rows may point at one
-slot: a forked session shares its parent's whole chunks until it rewrites them."""
+slot: a forked session shares its parent's chunks until it rewrites them."""
 
 from __future__ import annotations
 
@@ -192,11 +192,10 @@ class Manifest:
         n: int,
         prefixes: list[bytes] | None,
     ) -> tuple[OwnerRow, list[ChunkRow]]:
-        """A new owner `child` whose first `n` tokens (whole chunks) are the parent's: it gets
-        the parent's fingerprint and layer kinds, and rows pointing at the parent's slots for
-        those chunks, in one transaction. Returns the child's row and its chunk rows."""
-        if n % CHUNK_TOKENS:
-            raise ValueError(f"a fork shares whole chunks, not {n} tokens")
+        """A new owner `child` whose first `n` tokens are the parent's: it gets the parent's
+        fingerprint and layer kinds, and rows pointing at the parent's slots for the chunks
+        those tokens touch, in one transaction (a partly shared chunk holds more rows than the
+        child's tokens cover, as after a truncation). Returns the child's row and its chunk rows."""
         now = time.time()
         with self.lock, self.db:
             self.db.execute("BEGIN IMMEDIATE")
@@ -214,7 +213,7 @@ class Manifest:
             self.db.execute(
                 "INSERT INTO chunks SELECT ?, layer, idx, kind, dir, slab, slot, ntokens, checksum "
                 "FROM chunks WHERE owner=? AND idx<?",
-                (child, parent, n // CHUNK_TOKENS),
+                (child, parent, -(-n // CHUNK_TOKENS)),
             )
             rows = self.db.execute("SELECT * FROM chunks WHERE owner=?", (child,)).fetchall()
             self._index(child, n, prefixes)

@@ -212,9 +212,10 @@ class ChunkStore:
         return self.manifest.find_prefixes(prefix_hashes(tokens, namespace))
 
     def fork(self, parent: str, child: str, n: int, meta: dict, index_as: str | None = None) -> OwnerRow:
-        """A new session `child` whose first `n` tokens (whole chunks) share the parent's stored
-        chunks: nothing is copied, and what either writes later goes to fresh slots. The caller
-        keeps the parent quiet meanwhile (no turn, no release): its committed chunks are read."""
+        """A new session `child` whose first `n` tokens share the parent's stored chunks: nothing
+        is copied, and what either writes later goes to fresh slots (a partly shared last chunk
+        is refilled copy-on-write, as after a truncation). The caller keeps the parent quiet
+        meanwhile (no turn, no release): its committed chunks are read."""
         with self.lock:
             if self.manifest.get_owner(child) is not None:
                 raise ValueError(f"owner {child} already exists")

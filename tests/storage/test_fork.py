@@ -1,4 +1,4 @@
-"""Forks: a session that shares another's whole chunks through slots both rows reference.
+"""Forks: a session that shares another's chunks through slots both rows reference.
 Each reads its own tokens exactly whatever the other does (rewrites, releases, deletion),
 across restarts; a slot is freed with its last reference; fsck stays clean. The prefix
 index finds a stored conversation by a longer one's chunk hashes, only in its namespace."""
@@ -86,11 +86,32 @@ def test_a_released_layer_of_the_parent_stays_readable_in_the_fork(dirs) -> None
         assert torch.equal(r.get(2), expected(2, Kind.KV, 128))
 
 
+def test_fork_mid_chunk_refills_the_shared_tail_copy_on_write(dirs) -> None:
+    with open_store(dirs) as st:
+        parent_with(st)  # chunks 0-2 whole, chunk 3 a tail of 8 rows
+        st.fork("p", "c", 150, {})  # 22 rows into the parent's chunk 2
+        assert {r.idx for r in st.manifest.chunks("c")} == {0, 1, 2}
+        check_all(st, "c", 150)
+        save(st, "c", 150, 60, salt=0.5)  # fills chunk 2 past the shared rows, then a tail
+        st.mark_durable("c", list(range(210)))
+        check_all(st, "c", 210, salt_from=150, salt=0.5)
+        check_all(st, "p", 200)  # the parent's chunk 2 kept its own rows
+        st.fork("p", "d", 195, {})  # inside the parent's tail
+        check_all(st, "d", 195)
+        st.delete("p")
+        check_all(st, "d", 195)
+        check_all(st, "c", 210, salt_from=150, salt=0.5)
+    assert fsck([str(d) for d in dirs]).clean
+    with open_store(dirs) as st:  # a restart reloads the partly shared tail before new rows
+        save(st, "d", 195, 10, salt=0.75)
+        st.mark_durable("d", list(range(205)))
+        check_all(st, "d", 205, salt_from=195, salt=0.75)
+    assert fsck([str(d) for d in dirs]).clean
+
+
 def test_fork_refuses_what_the_parent_does_not_hold(dirs) -> None:
     with open_store(dirs) as st:
         parent_with(st, 100)
-        with pytest.raises(ValueError, match="whole chunks"):
-            st.fork("p", "c", 70, {})
         with pytest.raises(ValueError, match="cannot share 128"):
             st.fork("p", "c", 128, {})
         st.fork("p", "c", 64, {})
