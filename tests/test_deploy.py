@@ -1,6 +1,7 @@
 """deploy/ cannot drift from the code: every flag, port, path and config key the container
 build, the Kubernetes manifests and the Docker Compose file name exists in `hcache serve` and
-its HTTP app. Compose's Redis masters and its init script run for real (slow; needs redis-server)."""
+its HTTP app, and Kubernetes runs compose's Redis settings and init script at pod addresses.
+Compose's Redis masters and its init script run for real (slow; needs redis-server)."""
 
 from __future__ import annotations
 
@@ -34,9 +35,17 @@ def docs() -> list[dict]:
     return out
 
 
-def one(kind: str) -> dict:
-    (d,) = [d for d in docs() if d["kind"] == kind]
+def one(kind: str, name: str) -> dict:
+    (d,) = [d for d in docs() if d["kind"] == kind and d["metadata"]["name"] == name]
     return d
+
+
+def hcache_set() -> dict:
+    return one("StatefulSet", "hcache")
+
+
+def redis_set() -> dict:
+    return one("StatefulSet", "redis")
 
 
 def serve_flags() -> set[str]:
@@ -47,12 +56,12 @@ def serve_flags() -> set[str]:
 @pytest.fixture(scope="module")
 def toml(tmp_path_factory) -> config.Config:
     f = tmp_path_factory.mktemp("deploy") / "hcache.toml"
-    f.write_text(one("ConfigMap")["data"]["hcache.toml"])
+    f.write_text(one("ConfigMap", "hcache-config")["data"]["hcache.toml"])
     return config.load(f)  # unknown keys or wrong types raise
 
 
 def container() -> dict:
-    (c,) = one("StatefulSet")["spec"]["template"]["spec"]["containers"]
+    (c,) = hcache_set()["spec"]["template"]["spec"]["containers"]
     return c
 
 
@@ -72,7 +81,8 @@ def test_config_ports_and_paths_match(toml):
     assert ports == {"grpc": s.port, "http": s.http_port}
     expose = re.search(r"^EXPOSE (.+)$", (DEPLOY / "Dockerfile").read_text(), re.M).group(1).split()
     assert sorted(map(int, expose)) == sorted(ports.values())
-    for svc in (d for d in docs() if d["kind"] == "Service"):
+    selector = hcache_set()["spec"]["selector"]["matchLabels"]
+    for svc in (d for d in docs() if d["kind"] == "Service" and d["spec"]["selector"] == selector):
         assert {p["targetPort"] for p in svc["spec"]["ports"]} <= set(ports), svc["metadata"]["name"]
     # the config file, keys and TLS files sit where the volumes put them
     mounts = {m["name"]: m["mountPath"] for m in container()["volumeMounts"]}
@@ -82,10 +92,10 @@ def test_config_ports_and_paths_match(toml):
     assert s.tls_cert_file.startswith(mounts["tls"] + "/") and s.tls_key_file.startswith(mounts["tls"] + "/")
     assert all(d.startswith(mounts["store"] + "/") for d in toml.storage.dirs)
     assert toml.profile_dir.startswith(mounts["store"] + "/")
-    volumes = {v["name"]: v for v in one("StatefulSet")["spec"]["template"]["spec"]["volumes"]}
+    volumes = {v["name"]: v for v in hcache_set()["spec"]["template"]["spec"]["volumes"]}
     assert "secret" in volumes["keys"] and "secret" in volumes["tls"]
-    assert volumes["config"]["configMap"]["name"] == one("ConfigMap")["metadata"]["name"]
-    claims = [c["metadata"]["name"] for c in one("StatefulSet")["spec"]["volumeClaimTemplates"]]
+    assert volumes["config"]["configMap"]["name"] == one("ConfigMap", "hcache-config")["metadata"]["name"]
+    claims = [c["metadata"]["name"] for c in hcache_set()["spec"]["volumeClaimTemplates"]]
     assert claims == ["store"]
 
 
@@ -100,21 +110,19 @@ def test_probes_name_routes_of_the_app():
 
 
 def test_drain_fits_the_grace_period(toml):
-    spec = one("StatefulSet")["spec"]["template"]["spec"]
+    spec = hcache_set()["spec"]["template"]["spec"]
     args = container()["args"]
     drain = float(args[args.index("--drain-seconds") + 1]) if "--drain-seconds" in args else toml.server.drain_seconds
     assert drain == toml.server.drain_seconds
     pre = container()["lifecycle"]["preStop"]["exec"]["command"]
     assert pre[0] == "sleep"
     assert spec["terminationGracePeriodSeconds"] > float(pre[1]) + drain
-    assert one("PodDisruptionBudget")["spec"]["selector"] == one("StatefulSet")["spec"]["selector"]
-    assert one("StatefulSet")["spec"]["serviceName"] in {
-        d["metadata"]["name"] for d in docs() if d["kind"] == "Service"
-    }
+    assert one("PodDisruptionBudget", "hcache")["spec"]["selector"] == hcache_set()["spec"]["selector"]
+    assert hcache_set()["spec"]["serviceName"] in {d["metadata"]["name"] for d in docs() if d["kind"] == "Service"}
 
 
 def test_example_config_is_the_configmaps():
-    assert (DEPLOY / "hcache.toml").read_text() == one("ConfigMap")["data"]["hcache.toml"]
+    assert (DEPLOY / "hcache.toml").read_text() == one("ConfigMap", "hcache-config")["data"]["hcache.toml"]
 
 
 # --- Docker Compose (deploy/compose.yaml) ----------------------------------------------------
@@ -242,6 +250,69 @@ def test_compose_cluster_names_the_redis_masters():
         assert settings["--maxmemory-policy"] == "volatile-lru"  # chunks (with a TTL) go first, records never
         assert "--dir" not in settings and s["volumes"] == [f"{name}:/data"]  # the image's working directory
         assert s["image"] == init_svc["image"]
+
+
+# --- the Kubernetes Redis Cluster (deploy/k8s/redis.yaml): compose's, at pod addresses ----------
+
+
+def k8s_nodes() -> list[tuple[str, int]]:
+    """Each Redis pod's stable name under its headless Service, and its port."""
+    rs = redis_set()
+    (c,) = rs["spec"]["template"]["spec"]["containers"]
+    (port,) = [p["containerPort"] for p in c["ports"] if p["name"] == "redis"]
+    return [(f"{rs['metadata']['name']}-{i}.{rs['spec']['serviceName']}", port) for i in range(rs["spec"]["replicas"])]
+
+
+def test_k8s_redis_runs_composes_masters():
+    rs = redis_set()
+    (c,) = rs["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == next(iter(masters().values()))["image"]
+    assert rs["spec"]["replicas"] == len(masters())
+    svc = one("Service", rs["spec"]["serviceName"])
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["selector"] == rs["spec"]["selector"]["matchLabels"]
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} == {p["name"] for p in c["ports"]}
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["bus"] == ports["redis"] + 10000  # Redis Cluster's bus port
+    settings = dict(zip(c["command"][1::2], c["command"][2::2], strict=True))
+    assert c["command"][0] == "redis-server" and int(settings.pop("--port")) == ports["redis"]
+    # its own name under the headless Service, from the pod's name
+    assert settings.pop("--cluster-announce-hostname") == f"$(POD_NAME).{rs['spec']['serviceName']}"
+    assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]} == {"POD_NAME": "metadata.name"}
+    for name, m in masters().items():  # every other setting is compose's
+        want = dict(zip(argv(m)[1::2], argv(m)[2::2], strict=True))
+        del want["--port"], want["--cluster-announce-hostname"]
+        assert settings == want, name
+    assert c["readinessProbe"]["exec"]["command"] == ["redis-cli", "-p", str(ports["redis"]), "ping"]
+    assert c["volumeMounts"] == [{"name": "data", "mountPath": "/data"}]
+    assert [t["metadata"]["name"] for t in rs["spec"]["volumeClaimTemplates"]] == ["data"]
+
+
+def test_k8s_replicas_join_the_redis_pods():
+    args, flags = container()["args"], serve_flags()
+    assert {"--cluster", "--replica-name"} <= flags
+    assert parse_url(opt(args, "--cluster")) == k8s_nodes()
+    assert opt(args, "--replica-name") == "$(POD_NAME)"
+    env = {e["name"]: e for e in container()["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    spec = hcache_set()["spec"]
+    assert spec["podManagementPolicy"] == "OrderedReady"  # one init container creates the cluster
+    (init_c,) = spec["template"]["spec"]["initContainers"]
+    assert init_c["image"] == init()[1]["image"]
+    (mount,) = init_c["volumeMounts"]
+    volumes = {v["name"]: v for v in spec["template"]["spec"]["volumes"]}
+    cm = one("ConfigMap", volumes[mount["name"]]["configMap"]["name"])
+    (key,) = cm["data"]
+    assert init_c["command"] == ["sh", f"{mount['mountPath']}/{key}"]
+
+
+def test_k8s_init_script_is_composes_at_pod_addresses():
+    """The same script, each compose master's name and port replaced by a Redis pod's."""
+    to: dict[str, str] = {}
+    for (name, m), (pod, port) in zip(masters().items(), k8s_nodes(), strict=True):
+        to[name], to[opt(argv(m), "--port")] = pod, str(port)
+    script = re.sub(r"\b(" + "|".join(map(re.escape, to)) + r")\b", lambda g: to[g.group(1)], init_script())
+    (text,) = one("ConfigMap", "redis-init")["data"].values()
+    assert text == script
 
 
 class ComposeRedis(RedisCluster):
