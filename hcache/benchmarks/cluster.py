@@ -186,47 +186,74 @@ def one_turn_ttft(c: Client, sid: str) -> tuple[float, float]:
     return round(((first or time.perf_counter()) - t0) * 1e3, 1), round(restore, 1)
 
 
+def wait_uploaded(rep: Replica, timeout: float = 120) -> float:
+    """Until the replica's chunk uploads stop growing; returns the bytes it uploaded."""
+    up, deadline = -1.0, time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        now = rep.metrics()["chunk_bytes_uploaded"]
+        if now and now == up:
+            break
+        up = now
+        time.sleep(1.0)
+    return up
+
+
 def run_long(args: argparse.Namespace, root: Path, redis: Redis) -> dict:
+    """One long session made on replica a, then one-token turns: evicted and restored on a
+    (local), on fresh replicas that fetch the cluster's chunks (cluster), and on fresh ones
+    that recompute (recompute). Each `--long-repeat` times; medians. Every turn adds a few
+    tokens, uploaded before the next turn starts."""
     redis.flush()
-    reps = {
-        name: Replica(args, root / "long", redis.url, f"long-{name}", policy, args.long_budget_mb)
-        for name, policy in (("a", "always"), ("b", "always"), ("c", "off"))
-    }
+    runs: dict[str, list[tuple[float, float]]] = {"local": [], "cluster": [], "recompute": []}
+
+    def fresh(name: str, policy: str) -> Replica:
+        return Replica(args, root / "long", redis.url, f"long-{name}", policy, args.long_budget_mb)
+
+    a = fresh("a", "always")
     try:
         rng = random.Random(args.seed)
         text = " ".join(rng.choice(WORDS) for _ in range(args.long_tokens))
-        with Client(reps["a"].target) as ca, Client(reps["b"].target) as cb, Client(reps["c"].target) as cc:
+        with Client(a.target) as ca:
             sid = ca.create_session("You are a helpful assistant.").session_id
             ca.reply(sid, f"Remember this: {text}", max_new_tokens=1)
             tokens = ca.get(sid).num_tokens
-            up, deadline = -1.0, time.monotonic() + 120
-            while time.monotonic() < deadline:  # until the chunks are all up
-                now = reps["a"].metrics()["chunk_bytes_uploaded"]
-                if now and now == up:
-                    break
-                up = now
-                time.sleep(1.0)
-            ca.evict(sid)
-            local = one_turn_ttft(ca, sid)
-            cluster = one_turn_ttft(cb, sid)
-            recompute = one_turn_ttft(cc, sid)
-            fetched = reps["b"].metrics()["chunk_bytes_fetched"]
-        return {
-            "tokens": tokens,
-            "chunk_bytes_uploaded": up,
-            "chunk_bytes_fetched": fetched,
-            "local": {"ttft_ms": local[0], "restore_ms": local[1]},
-            "cluster": {"ttft_ms": cluster[0], "restore_ms": cluster[1]},
-            "recompute": {"ttft_ms": recompute[0], "restore_ms": recompute[1]},
-        }
+            up = wait_uploaded(a)
+            for _ in range(args.long_repeat):
+                ca.evict(sid)
+                runs["local"].append(one_turn_ttft(ca, sid))
+                wait_uploaded(a)
+        fetched = 0.0
+        for i in range(args.long_repeat):
+            for kind, policy in (("cluster", "always"), ("recompute", "off")):
+                rep = fresh(f"{kind}-{i}", policy)
+                try:
+                    with Client(rep.target) as c:
+                        runs[kind].append(one_turn_ttft(c, sid))
+                    if kind == "cluster":
+                        fetched = rep.metrics()["chunk_bytes_fetched"]
+                    wait_uploaded(rep)
+                finally:
+                    rep.stop()
     finally:
-        for r in reps.values():
-            r.stop()
+        a.stop()
+
+    def med(xs: list[tuple[float, float]]) -> dict:
+        return {
+            "ttft_ms": statistics.median(x[0] for x in xs),
+            "restore_ms": statistics.median(x[1] for x in xs),
+            "ttft_runs_ms": [x[0] for x in xs],
+        }
+
+    out = {"tokens": tokens, "chunk_bytes_uploaded": up, "chunk_bytes_fetched": fetched}
+    out |= {k: med(v) for k, v in runs.items()}
+    out["cluster_vs_local"] = out["cluster"]["ttft_ms"] / out["local"]["ttft_ms"]
+    out["cluster_vs_recompute"] = out["cluster"]["ttft_ms"] / out["recompute"]["ttft_ms"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hcache bench cluster", description=__doc__.split("\n\n")[0])
-    p.add_argument("--sessions", type=int, default=16)
+    p.add_argument("--sessions", type=int, default=16, help="sessions of the trace (0: skip it)")
     p.add_argument("--rate", type=float, default=0.5, help="session arrivals per second")
     p.add_argument("--min-turns", type=int, default=2)
     p.add_argument("--max-turns", type=int, default=5)
@@ -237,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--think-s", type=float, default=2.0, help="mean think time between turns")
     p.add_argument("--long-tokens", type=int, default=8192, help="words of the long session (0: skip it)")
     p.add_argument("--budget-mb", type=int, default=64, help="each replica's resident KV budget")
+    p.add_argument("--long-repeat", type=int, default=3, help="turns per restore path of the long session")
     p.add_argument("--long-budget-mb", type=int, default=1024, help="the long session's replicas' KV budget")
     p.add_argument("--policy", default="auto", choices=("auto", "always", "off"), help="--cluster-chunks")
     p.add_argument("--dtype", default="float32")
@@ -250,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         redis = Redis(root, args.redis_port)
         try:
-            phases = [run_phase(args, root, redis, routing) for routing in ("affinity", "random")]
+            phases = [run_phase(args, root, redis, r) for r in ("affinity", "random")] if args.sessions else []
             long = run_long(args, root, redis) if args.long_tokens else None
         finally:
             redis.stop()
@@ -263,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         for ph in phases:
             print(" ".join(f"{ph[c]!s:>20}" for c in cols))
         if long:
-            print(f"long session ({long['tokens']} tokens), one-token turn TTFT ms:", end="")
+            print(f"long session ({long['tokens']} tokens), one-token turn TTFT ms (median):", end="")
             print(" ".join(f" {k} {long[k]['ttft_ms']}" for k in ("local", "cluster", "recompute")))
+            vs_local, vs_re = long["cluster_vs_local"], long["cluster_vs_recompute"]
+            print(f"cluster / local {vs_local:.2f}x, cluster / recompute {vs_re:.3f}x")
 
     return report(data, args.out, args.json, table)

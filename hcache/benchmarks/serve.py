@@ -27,7 +27,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import grpc
@@ -76,6 +76,11 @@ class Result:
         self.turns += 1
         self.ttft_ms.append((stamps[0] - start) * 1e3)
         self.tbt_ms += [(b - a) * 1e3 for a, b in itertools.pairwise(stamps)]
+
+    def add(self, other: Result) -> None:
+        """Pool another run of the same trace into this one."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 def play(trace: list[SessionPlan], session: Callable[[SessionPlan], None]) -> float:
@@ -320,6 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="play the trace this many times per run, interleaved; percentiles pool every turn",
+    )
+    ap.add_argument(
         "--api",
         default="grpc",
         choices=["grpc", "openai"],
@@ -330,13 +341,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     trace = make_trace(args)
-    rows = []
     apis = ["grpc", "openai", "openai-pinned"] if args.api == "openai" else ["grpc"]
     runs = [(m, m, 0.0, api) for m in args.methods for api in apis]
     if args.store_fraction:
         runs.append((f"auto@{args.store_fraction:g}", "auto", args.store_fraction, "grpc"))
     state_bytes = 0
-    for label, method, fraction, api in runs:
+    pooled: dict[tuple[str, str], Result] = {}
+    p50s: dict[tuple[str, str], list[float]] = {}
+    extra: dict[tuple[str, str], dict] = {}
+    for _, (label, method, fraction, api) in itertools.product(range(args.repeat), runs):
         root = Path(
             tempfile.mkdtemp(prefix=f"hcache-serve-{method}-", dir=ensure_dirs([args.root])[0] if args.root else None)
         )
@@ -350,18 +363,26 @@ def main(argv: list[str] | None = None) -> int:
                 res = run_trace(target, trace, args.seed)
             else:
                 res = run_trace_openai(f"http://127.0.0.1:{http}/v1", trace, args.seed, pin=api == "openai-pinned")
-            row = summarize(label, res, api)
             totals = store_totals(http)
             state_bytes = state_bytes or totals["store_occupied_bytes"]  # the first run's, unlimited
-            row["store_max_bytes"] = store_bytes
-            row["store_occupied_bytes"] = totals["store_occupied_bytes"]
-            row["bytes_released"] = totals["bytes_released"]
-            row["demotions"] = totals["demotions"]
-            rows.append(row)
+            key = (label, api)
+            pooled.setdefault(key, Result()).add(res)
+            p50s.setdefault(key, []).append(_pct(res.ttft_ms, 0.5))
+            extra[key] = {
+                "store_max_bytes": store_bytes,
+                "store_occupied_bytes": totals["store_occupied_bytes"],
+                "bytes_released": totals["bytes_released"],
+                "demotions": totals["demotions"],
+            }
         finally:
             proc.terminate()
             proc.wait(timeout=120)
             shutil.rmtree(root, ignore_errors=True)
+    rows = []
+    for key, res in pooled.items():
+        row = summarize(key[0], res, key[1])
+        row["ttft_p50_runs_ms"] = p50s[key]
+        rows.append(row | extra[key])
     base = next((r for r in rows if r["method"] == "auto" and r["api"] == "grpc"), rows[0])
     for r in rows:
         r["ttft_p50_vs_auto"] = r["ttft_p50_ms"] / base["ttft_p50_ms"]
@@ -390,6 +411,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['sessions_per_s']:>8.3f}{r['ttft_p50_vs_auto']:>10.2f}{r['ttft_p50_vs_grpc']:>7.2f}"
                 f"{(f'{cached:.1%}' if cached is not None else '-'):>8}{len(r['errors']):>7}"
             )
+        if args.repeat > 1:
+            for r in rows:
+                runs_ = ", ".join(f"{x:.0f}" for x in r["ttft_p50_runs_ms"])
+                print(f"{r['method']} over {r['api']}: TTFT p50 of each run {runs_} ms")
         print(f"CPU: {data['cpu']}, {os.cpu_count()} cores")
         print(
             "(ms; restore = the server's median restore time of restored turns; local / RE = restores that"

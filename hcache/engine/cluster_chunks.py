@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 from hcache.engine.cluster import ChunkStats
@@ -79,7 +80,9 @@ class ClusterChunks:
             if not self.worth_it(have, len(own_tokens)):
                 self.counters.skipped += 1
                 return 0
+            t0 = time.perf_counter()
             got: Hydrated = hydrate(self.store, self.tier, owner, own_tokens, meta)
+            ms = (time.perf_counter() - t0) * 1e3
         except Exception as e:  # unreachable cluster, full disk: the turn recomputes instead
             self.counters.failed += 1
             log.warning("fetching chunks of %s from the cluster: %s; recomputing instead", owner, e)
@@ -87,6 +90,8 @@ class ClusterChunks:
             return 0
         self.counters.misses += got.missing
         if got.tokens:
+            mb = got.bytes / 1e6
+            log.info("fetched %d tokens of %s (%.1f MB) from the cluster in %.0f ms", got.tokens, owner, mb, ms)
             self.counters.fetches += 1
             self.counters.tokens += got.tokens
             self.counters.bytes_read += got.bytes

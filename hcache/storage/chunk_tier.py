@@ -41,19 +41,21 @@ def chunk_rows(n_tokens: int, idx: int) -> int:
     return max(0, min(CHUNK_TOKENS, n_tokens - idx * CHUNK_TOKENS))
 
 
-def pack(rows: bytes | memoryview, n_rows: int, tokens: list[int]) -> bytes:
-    """The value of a chunk holding `n_rows` rows computed from `tokens` (the owner's, up to
-    and including the chunk's last row)."""
-    return HEADER.pack(checksum(rows), prefix_hash(tokens), n_rows) + bytes(rows)
+def pack(rows: bytes | memoryview, n_rows: int, prefix: int) -> bytes:
+    """The value of a chunk holding `n_rows` rows computed from the token prefix whose
+    `prefix_hash` is `prefix` (the owner's tokens up to and including the chunk's last row;
+    one hash serves every layer's chunk of those tokens)."""
+    return HEADER.pack(checksum(rows), prefix, n_rows) + bytes(rows)
 
 
-def unpack(value: bytes | None, tokens: list[int], n_rows: int, row_bytes: int) -> memoryview | None:
-    """The rows if `value` is the chunk of exactly this token prefix, intact; else None."""
+def unpack(value: bytes | None, prefix: int, n_rows: int, row_bytes: int) -> memoryview | None:
+    """The rows if `value` is the chunk of exactly the token prefix hashed to `prefix`, intact;
+    else None."""
     if value is None or len(value) != HEADER.size + n_rows * row_bytes:
         return None
     crc, pre, rows = HEADER.unpack_from(value)
     body = memoryview(value)[HEADER.size :]
-    if rows != n_rows or pre != prefix_hash(tokens) or crc != checksum(body):
+    if rows != n_rows or pre != prefix or crc != checksum(body):
         return None
     return body
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hcache.storage.chunk_tier import ChunkTier, chunk_key, chunk_rows, unpack
+from hcache.storage.chunk_tier import ChunkTier, chunk_key, chunk_rows, prefix_hash, unpack
 from hcache.storage.layout import CHUNK_TOKENS, Kind, num_chunks
 from hcache.storage.store import ChunkStore
 
@@ -43,12 +43,12 @@ def hydrate(
         end = idxs[-1] * CHUNK_TOKENS + chunk_rows(n, idxs[-1])
         reach = end  # every stream's intact rows reach this token
         parts: dict[tuple[int, Kind], list[memoryview]] = {}
+        prefixes = [prefix_hash(tokens[: i * CHUNK_TOKENS + chunk_rows(n, i)]) for i in idxs]
         for j, (layer, kind) in enumerate(streams):
             row_bytes = store.shapes[kind].nbytes // CHUNK_TOKENS
             got = parts[(layer, kind)] = []
-            for i, value in zip(idxs, values[j * len(idxs) : (j + 1) * len(idxs)], strict=True):
-                rows = chunk_rows(n, i)
-                body = unpack(value, tokens[: i * CHUNK_TOKENS + rows], rows, row_bytes)
+            for i, pre, value in zip(idxs, prefixes, values[j * len(idxs) : (j + 1) * len(idxs)], strict=True):
+                body = unpack(value, pre, chunk_rows(n, i), row_bytes)
                 if body is None:
                     reach = min(reach, i * CHUNK_TOKENS)
                     out.missing += 1

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hcache.storage.chunk_tier import ChunkTier, chunk_key, chunk_rows, pack
+from hcache.storage.chunk_tier import ChunkTier, chunk_key, chunk_rows, pack, prefix_hash
 from hcache.storage.errors import StorageError
 from hcache.storage.layout import CHUNK_TOKENS, num_chunks
 from hcache.storage.store import ChunkStore
@@ -96,8 +96,9 @@ class ChunkUploader:
             # writes new rows, so rows read before the check are this prefix's
             if self.store.owner_row(job.owner).tokens[:end] != job.tokens[:end]:
                 raise StorageError(f"owner {job.owner} was rewritten while its chunks were read")
+            pre = prefix_hash(job.tokens[:end])
             for key, raw in got:
-                items.append((key, pack(raw, rows, job.tokens[:end])))
+                items.append((key, pack(raw, rows, pre)))
                 size += len(raw)
             if size >= self.batch_bytes:
                 self._put(items, size)

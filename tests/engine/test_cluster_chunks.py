@@ -54,14 +54,14 @@ def by_source(eng) -> dict[str, float]:
 
 
 def test_chunk_values_are_refused_unless_intact_and_of_the_same_tokens():
-    rows, toks = b"\x01" * 64, [5, 6, 7, 8]
+    rows, toks = b"\x01" * 64, prefix_hash([5, 6, 7, 8])
     v = pack(rows, 4, toks)
     assert bytes(unpack(v, toks, 4, 16)) == rows
-    assert unpack(v, [5, 6, 7, 9], 4, 16) is None  # another prefix: a rewritten turn's chunk
+    assert unpack(v, prefix_hash([5, 6, 7, 9]), 4, 16) is None  # another prefix: a rewritten turn's chunk
     assert unpack(v, toks, 3, 16) is None  # cut short
     assert unpack(v[:-1] + b"\x02", toks, 4, 16) is None  # flipped
     assert unpack(None, toks, 4, 16) is None  # evicted
-    assert prefix_hash(toks) != prefix_hash(toks[:3])
+    assert prefix_hash([5, 6, 7, 8]) != prefix_hash([5, 6, 7])
 
 
 def test_evicted_chunks_are_recomputed_and_the_output_stays_exact(model, pair, redis_cluster):  # noqa: F811
