@@ -17,6 +17,7 @@ import json
 import math
 import os
 import random
+import resource
 import shutil
 import socket
 import statistics
@@ -70,6 +71,7 @@ class Result:
     wall_s: float = 0.0
     prompt_tokens: int = 0  # after each session's first turn (OpenAI runs)
     cached_tokens: int = 0
+    client_cpu_s: float = 0.0  # this process's CPU time: the clients share the server's cores
 
     def turn(self, start: float, stamps: list[float]) -> None:
         """A finished turn: time to its first token and between the rest (under the lock)."""
@@ -249,6 +251,11 @@ def cpu_name() -> str:
     return "unknown CPU"
 
 
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _pct(xs: list[float], q: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
@@ -269,6 +276,7 @@ def summarize(method: str, r: Result, api: str = "grpc") -> dict:
         "tbt_p99_ms": _pct(r.tbt_ms, 0.99),
         "restore_median_ms": statistics.median(r.restore_ms) if r.restore_ms else None,
         "sessions_per_s": r.sessions_done / r.wall_s if r.wall_s else 0.0,
+        "client_cpu_share": r.client_cpu_s / r.wall_s if r.wall_s else 0.0,
         "wall_s": r.wall_s,
         "ttft_ms": r.ttft_ms,
         "tbt_ms": r.tbt_ms,
@@ -359,10 +367,12 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{label} over {api}: {len(trace)} sessions, {sum(len(p.turns) for p in trace)} turns ...", flush=True
             )
+            cpu0 = _cpu_s()
             if api == "grpc":
                 res = run_trace(target, trace, args.seed)
             else:
                 res = run_trace_openai(f"http://127.0.0.1:{http}/v1", trace, args.seed, pin=api == "openai-pinned")
+            res.client_cpu_s = _cpu_s() - cpu0
             totals = store_totals(http)
             state_bytes = state_bytes or totals["store_occupied_bytes"]  # the first run's, unlimited
             key = (label, api)
@@ -396,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     def table() -> None:
         hdr = f"{'method':10}{'api':>14}{'turns':>6}{'restored':>9}{'TTFT p50':>10}{'p99':>9}{'TBT p50':>9}{'p99':>8}"
         hdr += f"{'restore':>9}{'local':>6}{'RE':>4}{'store MB':>9}{'sess/s':>8}{'TTFT/auto':>10}{'/gRPC':>7}"
-        print(hdr + f"{'cached':>8}{'errors':>7}")
+        print(hdr + f"{'cached':>8}{'errors':>7}{'client CPU':>11}")
         for r in rows:
             rest, cached = r["restore_median_ms"], r["cached_ratio"]
             grpc = r["api"] == "grpc"  # restores are counted from gRPC's turn stats
@@ -410,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{(f'{rest:.0f}' if rest else '-'):>9}{local:>6}{re_:>4}{cap:>9}"
                 f"{r['sessions_per_s']:>8.3f}{r['ttft_p50_vs_auto']:>10.2f}{r['ttft_p50_vs_grpc']:>7.2f}"
                 f"{(f'{cached:.1%}' if cached is not None else '-'):>8}{len(r['errors']):>7}"
+                f"{r['client_cpu_share']:>11.0%}"
             )
         if args.repeat > 1:
             for r in rows:
@@ -419,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "(ms; restore = the server's median restore time of restored turns; local / RE = restores that"
             " read stored chunks / recomputed every layer; store MB = the capacity, - unlimited; cached ="
-            f" prompt tokens served from stored state after each session's first turn (OpenAI usage); plot {png})"
+            f" prompt tokens served from stored state after each session's first turn (OpenAI usage); client CPU ="
+            f" the clients' CPU time over the run's wall time, taken from the server's cores; plot {png})"
         )
 
     return report(data, args.out, args.json, table)
