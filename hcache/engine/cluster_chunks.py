@@ -27,7 +27,7 @@ class ChunkCounters:
     fetches: int = 0  # owners whose state (some of it) came from the cluster's chunks
     tokens: int = 0  # tokens whose state came from them
     bytes_read: int = 0
-    misses: int = 0  # streams cut short by a missing (evicted) or unusable chunk
+    misses: int = 0  # fetches cut short by a missing (evicted) or unusable chunk
     skipped: int = 0  # fetches priced slower than recomputing
     failed: int = 0  # fetches that could not complete (recomputed instead)
     read_gbps: float = 0.0  # the cluster's measured read bandwidth (0: not measured yet)

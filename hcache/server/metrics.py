@@ -293,7 +293,7 @@ def _cluster_metrics(cl: ClusterState) -> Iterator[Metric]:
         "hcache_cluster_chunk_tokens", "Tokens whose state came from the cluster's chunks", ch.tokens
     )
     yield CounterMetricFamily(
-        "hcache_cluster_chunk_misses", "Chunk streams cut short by an evicted or unusable chunk", ch.misses
+        "hcache_cluster_chunk_misses", "Chunk fetches cut short by an evicted or unusable chunk", ch.misses
     )
     yield CounterMetricFamily(
         "hcache_cluster_chunk_uploaded_bytes", "Chunk bytes put in the cluster", ch.uploaded_bytes
