@@ -9,7 +9,10 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -137,3 +140,18 @@ class RedisServer:
     def stop(self) -> None:
         self.proc.kill()
         self.proc.wait()
+
+
+@contextmanager
+def two_replicas(make: Callable[[str, Path], tuple[Any, Any]], root: Path) -> Iterator[tuple[Any, Any]]:
+    """Engines `replica-a` and `replica-b`, each `make(name, directory)` -> (engine, store),
+    closed after."""
+    made = []
+    try:
+        for n in "ab":
+            made.append(make(f"replica-{n}", root / n))
+        yield made[0][0], made[1][0]
+    finally:
+        for eng, store in made:
+            eng.close()
+            store.close()

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from cluster_helpers import RedisCluster, redis_cluster  # noqa: F401 - a fixture
+from cluster_helpers import RedisCluster, redis_cluster, two_replicas  # noqa: F401 - a fixture
 from conftest import tload
 from engine_helpers import make_engine, reference, turn, word_tokenizer
 
@@ -38,12 +38,8 @@ def replica(model, url: str, d, name: str):
 
 @pytest.fixture
 def pair(model, redis_cluster, tmp_path):  # noqa: F811
-    a = replica(model, redis_cluster.url, tmp_path / "a", "replica-a")
-    b = replica(model, redis_cluster.url, tmp_path / "b", "replica-b")
-    yield a[0], b[0]
-    for eng, store in (a, b):
-        eng.close()
-        store.close()
+    with two_replicas(lambda name, d: replica(model, redis_cluster.url, d, name), tmp_path) as p:
+        yield p
 
 
 def ids(rng: random.Random, n: int) -> list[int]:
