@@ -41,6 +41,7 @@ from hcache.engine.sessions import Registry, layer_kinds_for
 from hcache.engine.telemetry import Telemetry
 from hcache.malloc import trim_when_idle
 from hcache.model.base import DecoderModel
+from hcache.model.decode import BLOCK_TOKENS
 from hcache.model.tokenizer import Tokenizer
 from hcache.restore.plan import Method
 from hcache.restore.profile import Profile
@@ -76,9 +77,11 @@ class Engine:
         per_block = BlockPool.bytes_per_block(model.cfg, model.dtype)
         self.pool = BlockPool(model.cfg, model.dtype, model.device, max(1, self.cfg.kv_budget_bytes // per_block))
         kinds = layer_kinds_for(self.cfg.store_kinds, model, profile, self.cfg.plan_tokens)
-        # read buffers for restores up to the planned length, so that none pays for fresh memory
+        # read buffers for the longest session the KV budget can hold (any restore keeps that
+        # many pooled after it), so that no restore pays for fresh memory
         mc = model.cfg
-        store.buffers.warm(self.cfg.plan_tokens * max(mc.hidden_size, 2 * mc.kv_dim), mc.num_layers)
+        longest = max(self.cfg.plan_tokens, min(mc.max_position, self.pool.num_blocks * BLOCK_TOKENS))
+        store.buffers.warm(longest * max(mc.hidden_size, 2 * mc.kv_dim), mc.num_layers)
         self.registry = Registry(store, model, kinds)
         self.lock = threading.RLock()
         self.counters = Counters()
