@@ -248,3 +248,43 @@ def test_a_dropped_stream_keeps_its_partial_turn(live):
     assert s.turns == turns + 1 and not s.busy
     assert s.messages[-1]["role"] == "assistant" and s.messages[-1]["content"]
     assert len(live.engine.tok.encode(s.messages[-1]["content"])) < 200  # cut short, kept
+
+
+@pytest.fixture
+def limited(default_model, tmp_path):
+    (tmp_path / "keys").write_text(f"alice {KEY_A}\n")
+    cfg = Config(
+        storage=StorageConfig([str(tmp_path / "a")]),
+        engine=EngineConfig(store_kinds="kv", kv_budget_bytes=64 << 20, max_sessions_per_tenant=2),
+        server=ServerConfig(port=0, http_port=0, api_keys_file=str(tmp_path / "keys")),
+    )
+    run = start(cfg, profile_for(default_model.model), default_model)
+    yield run
+    run.stop(1)
+
+
+def openai_error(e: openai.APIStatusError) -> dict:
+    err = e.response.json()["error"]
+    assert err["message"] and "Traceback" not in err["message"] and err["type"]
+    return err
+
+
+def test_busy_session_key_limit_and_draining_get_409_429_503(limited):
+    c = oai(limited)
+    msgs = [{"role": "user", "content": "Write a long story about a fox who learns to fly."}]
+    stream = c.chat.completions.create(model="default", messages=msgs, max_tokens=200, stream=True)
+    first = next(iter(stream))  # the turn runs: its session is busy until the stream ends
+    sid = first.session_id
+    with pytest.raises(openai.ConflictError) as busy:  # a second turn on it at once
+        c.chat.completions.create(model="default", messages=msgs, max_tokens=2, extra_body={"session_id": sid})
+    assert busy.value.status_code == 409 and "busy" in openai_error(busy.value)["message"]
+    stream.close()
+    c.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    with pytest.raises(openai.RateLimitError) as full:  # a third conversation for this key
+        c.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hello"}], max_tokens=2)
+    assert full.value.status_code == 429 and openai_error(full.value)["type"]
+    assert len(limited.engine.list(tenant="alice")) == 2
+    limited.engine.draining = True  # as SIGTERM starts a drain
+    with pytest.raises(openai.InternalServerError) as gone:
+        c.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert gone.value.status_code == 503 and "draining" in openai_error(gone.value)["message"]
