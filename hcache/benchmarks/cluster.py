@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 
 from hcache.benchmarks import report
-from hcache.benchmarks.serve import WORDS, SessionPlan, _free_port, make_trace, play
+from hcache.benchmarks.serve import WORDS, SessionPlan, _free_port, cpu_name, make_trace, play
 from hcache.client import Client, wait_for_server
 
 METRICS = {  # what a phase reports, summed over replicas: /metrics sample -> key
@@ -254,7 +254,7 @@ def run_long(args: argparse.Namespace, root: Path, redis: Redis) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hcache bench cluster", description=__doc__.split("\n\n")[0])
     p.add_argument("--sessions", type=int, default=16, help="sessions of the trace (0: skip it)")
-    p.add_argument("--rate", type=float, default=0.5, help="session arrivals per second")
+    p.add_argument("--rate", type=float, default=0.1, help="session arrivals per second (unsaturated)")
     p.add_argument("--min-turns", type=int, default=2)
     p.add_argument("--max-turns", type=int, default=5)
     p.add_argument("--doc-words", type=int, default=400, help="mean words of a session's first message")
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             long = run_long(args, root, redis) if args.long_tokens else None
         finally:
             redis.stop()
-    data = {"args": vars(args), "phases": phases, "long_session": long}
+    data = {"args": vars(args), "cpu": cpu_name(), "phases": phases, "long_session": long}
 
     def table() -> None:
         cols = ["routing", "turns", "ttft_p50_ms", "ttft_p99_ms", "restores_local", "restores_cluster"]

@@ -216,6 +216,9 @@ def render(results: Path, bench_dir: Path) -> str:
     api = _load(results, "serve_openai")
     if api is not None:
         lines += _openai(api)
+    cluster = _load(results, "cluster")
+    if cluster is not None:
+        lines += _cluster(cluster)
     lines += ["## Commands", "", "```", COMMANDS.rstrip(), "```", ""]
     return "\n".join(lines)
 
@@ -244,6 +247,55 @@ def _capacity(data: dict) -> list[str]:
             f"{r['restored_recompute']} | {_fmt(r.get('bytes_released', 0) / 1e6, 1)} |"
         )
     return [*out, "", "Raw results: `bench/results/serve_capacity.json`.", ""]
+
+
+def _cluster(data: dict) -> list[str]:
+    """Two replicas on a Redis Cluster: the trace by routing, and one long session's restore."""
+    a = data["args"]
+    out = [
+        "## Two replicas on a Redis Cluster",
+        "",
+        f"`hcache bench cluster` on {data.get('cpu', 'an unnamed CPU')}: two replicas and a 3-master Redis Cluster "
+        f"on loopback, {a['dtype']}, all on the same cores.",
+    ]
+    if data.get("phases"):
+        out += [
+            "",
+            f"A Poisson trace of {a['sessions']} multi-turn sessions, routed by rendezvous affinity, then at random "
+            "(fresh replicas each). TTFT is client-side over every turn; restores by where the state came from.",
+            "",
+            "| routing | turns | errors | TTFT p50 ms | TTFT p99 ms | p50 / affinity | restores local | cluster "
+            "| recompute | chunk MB fetched | chunk MB uploaded |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        base = data["phases"][0]["ttft_p50_ms"]
+        for p in data["phases"]:
+            out.append(
+                f"| {p['routing']} | {p['turns']} | {len(p['errors'])} | {_fmt(p['ttft_p50_ms'])} | "
+                f"{_fmt(p['ttft_p99_ms'])} | {p['ttft_p50_ms'] / base:.2f} | {p['restores_local']:.0f} | "
+                f"{p['restores_cluster']:.0f} | {p['restores_recompute']:.0f} | "
+                f"{_fmt(p['chunk_bytes_fetched'] / 1e6)} | {_fmt(p['chunk_bytes_uploaded'] / 1e6)} |"
+            )
+    long = data.get("long_session")
+    if long and "cluster_vs_local" in long:
+        out += [
+            "",
+            f"One session of {long['tokens']:,} tokens made on replica a, then a one-token turn after eviction: "
+            "restored from a's own disks (local), on a fresh replica from the cluster's chunks (cluster), on a "
+            f"fresh replica without them (recompute); {a['long_repeat']} turns each, medians. "
+            "Targets: cluster <= 2x local and <= 0.1x recompute.",
+            "",
+            "| path | TTFT ms | each turn ms | server restore ms | vs local | vs recompute |",
+            "|---|---|---|---|---|---|",
+        ]
+        for k in ("local", "cluster", "recompute"):
+            r = long[k]
+            out.append(
+                f"| {k} | {_fmt(r['ttft_ms'])} | {', '.join(_fmt(x) for x in r['ttft_runs_ms'])} | "
+                f"{_fmt(r['restore_ms'])} | {r['ttft_ms'] / long['local']['ttft_ms']:.2f} | "
+                f"{r['ttft_ms'] / long['recompute']['ttft_ms']:.3f} |"
+            )
+    return [*out, "", "Raw results: `bench/results/cluster.json`.", ""]
 
 
 def _runs(data: dict) -> str:
