@@ -95,7 +95,9 @@ class Replica:
         root.mkdir(parents=True, exist_ok=True)
         self.log = root / f"{name}.log"
         out = open(self.log, "w")  # noqa: SIM115 - closed with the process
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+        # replicas share the cores: each takes its part, or their thread teams spin against each other
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.replica_threads)}
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         self.target = f"127.0.0.1:{self.port}"
         try:
             wait_for_server(self.target, timeout=600, alive=lambda: self.proc.poll() is None)
@@ -255,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hcache bench cluster", description=__doc__.split("\n\n")[0])
     p.add_argument("--sessions", type=int, default=16, help="sessions of the trace (0: skip it)")
     p.add_argument("--rate", type=float, default=0.1, help="session arrivals per second (unsaturated)")
+    p.add_argument(
+        "--replica-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="torch threads per replica"
+    )
     p.add_argument("--min-turns", type=int, default=2)
     p.add_argument("--max-turns", type=int, default=5)
     p.add_argument("--doc-words", type=int, default=400, help="mean words of a session's first message")
