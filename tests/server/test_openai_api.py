@@ -271,20 +271,27 @@ def openai_error(e: openai.APIStatusError) -> dict:
 
 def test_busy_session_key_limit_and_draining_get_409_429_503(limited):
     c = oai(limited)
-    msgs = [{"role": "user", "content": "Write a long story about a fox who learns to fly."}]
-    stream = c.chat.completions.create(model="default", messages=msgs, max_tokens=200, stream=True)
-    first = next(iter(stream))  # the turn runs: its session is busy until the stream ends
-    sid = first.session_id
-    with pytest.raises(openai.ConflictError) as busy:  # a second turn on it at once
-        c.chat.completions.create(model="default", messages=msgs, max_tokens=2, extra_body={"session_id": sid})
+    hi = [{"role": "user", "content": "Hi"}]
+    r = c.chat.completions.create(model="default", messages=hi, max_tokens=2)
+    sid, stored = r.session_id, [*hi, {"role": "assistant", "content": r.choices[0].message.content}]
+    s = limited.engine.get(sid, "alice")
+    with limited.engine.lock:
+        s.busy = True  # as while a turn of it runs (a real one may end first: the model picks when)
+    try:
+        with pytest.raises(openai.ConflictError) as busy:  # a second turn on it at once
+            c.chat.completions.create(
+                model="default", messages=[*stored, {"role": "user", "content": "x"}], extra_body={"session_id": sid}
+            )
+    finally:
+        with limited.engine.lock:
+            s.busy = False
     assert busy.value.status_code == 409 and "busy" in openai_error(busy.value)["message"]
-    stream.close()
-    c.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
-    with pytest.raises(openai.RateLimitError) as full:  # a third conversation for this key
-        c.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hello"}], max_tokens=2)
+    with pytest.raises(openai.RateLimitError) as full:  # a second conversation is this key's limit; a third
+        for _ in range(2):
+            c.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hello"}], max_tokens=2)
     assert full.value.status_code == 429 and openai_error(full.value)["type"]
     assert len(limited.engine.list(tenant="alice")) == 2
     limited.engine.draining = True  # as SIGTERM starts a drain
     with pytest.raises(openai.InternalServerError) as gone:
-        c.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        c.chat.completions.create(model="default", messages=hi, max_tokens=2)
     assert gone.value.status_code == 503 and "draining" in openai_error(gone.value)["message"]
