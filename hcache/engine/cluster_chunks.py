@@ -9,12 +9,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hcache.engine.cluster import ChunkStats
 from hcache.restore.profile import Profile
+from hcache.storage.buffers import FetchBuffers
 from hcache.storage.chunk_tier import ChunkTier
-from hcache.storage.hydrate import Hydrated, hydrate
+from hcache.storage.hydrate import Fetched, fetch, hydrate
 from hcache.storage.store import ChunkStore
 from hcache.storage.uploader import ChunkUploader, UploadCounters
 
@@ -43,6 +45,7 @@ class ClusterChunks:
         self.layers, self.bytes_per_token = layers, bytes_per_token
         self.counters = ChunkCounters()
         self.uploader = ChunkUploader(store, tier)
+        self.buffers = FetchBuffers()
         self._measure = threading.Lock()
 
     @property
@@ -71,31 +74,51 @@ class ClusterChunks:
         return fetch_ms < recompute_ms
 
     def fetch(self, owner: str, own_tokens: list[int], meta: dict | None) -> int:
-        """Bring the record's `own_tokens` past what the store holds into it; returns how many
-        came. Never raises: what does not come is recomputed."""
+        """Bring the record's `own_tokens` past what the store holds into it, durable; returns
+        how many came. Never raises: what does not come is recomputed."""
+        got = self._fetch(owner, own_tokens, lambda: hydrate(self.store, self.tier, owner, own_tokens, meta))
+        if got is None:
+            return 0
+        self.used(got)
+        return got.tokens
+
+    def fetch_rows(self, owner: str, own_tokens: list[int]) -> Fetched | None:
+        """The record's `own_tokens` past what the store holds, as rows coming into memory in
+        the background for the turn about to run to restore from as they come (it stages them
+        into the store behind it); None when the cluster has none of them. Never raises: what
+        does not come is recomputed. The turn calls `used`."""
+        pool = self.buffers
+        return self._fetch(owner, own_tokens, lambda: fetch(self.store, self.tier, owner, own_tokens, pool, True))
+
+    def _fetch(self, owner: str, own_tokens: list[int], run: Callable[[], Fetched]) -> Fetched | None:
         have = self.store.owner_row(owner).num_tokens
         if self.policy == "off" or have >= len(own_tokens):
-            return 0
+            return None
         try:
             if not self.worth_it(have, len(own_tokens)):
                 self.counters.skipped += 1
-                return 0
+                return None
             t0 = time.perf_counter()
-            got: Hydrated = hydrate(self.store, self.tier, owner, own_tokens, meta)
+            got = run()
             ms = (time.perf_counter() - t0) * 1e3
         except Exception as e:  # unreachable cluster, full disk: the turn recomputes instead
             self.counters.failed += 1
             log.warning("fetching chunks of %s from the cluster: %s; recomputing instead", owner, e)
             self._roll_back(owner, have)
-            return 0
+            return None
         self.counters.misses += got.missing
-        if got.tokens:
-            mb = got.bytes / 1e6
-            log.info("fetched %d tokens of %s (%.1f MB) from the cluster in %.0f ms", got.tokens, owner, mb, ms)
-            self.counters.fetches += 1
-            self.counters.tokens += got.tokens
-            self.counters.bytes_read += got.bytes
-        return got.tokens
+        if not got.tokens:
+            got.release()
+            return None
+        mb = got.bytes / 1e6
+        log.info("fetching %d tokens of %s (%.1f MB) from the cluster (%.0f ms)", got.tokens, owner, mb, ms)
+        self.counters.bytes_read += got.bytes
+        return got
+
+    def used(self, got: Fetched) -> None:
+        """Fetched state went into a restore (a turn refused after its fetch drops it)."""
+        self.counters.fetches += 1
+        self.counters.tokens += got.tokens
 
     def _roll_back(self, owner: str, have: int) -> None:
         """Rows staged by a fetch that failed half-way are dropped: the store keeps its turn."""

@@ -233,6 +233,11 @@ class Engine:
             seq = self._queue_turn(session_id, message, token_ids, params, stops, tenant, events)
         except BaseException:
             if lease is not None and self.cluster is not None:
+                with self.lock:
+                    s = self.registry.sessions.get(session_id)
+                    if s is not None and s.fetched is not None:
+                        s.drop_fetched()
+                        s.busy = False
                 self.cluster.release(lease)
             raise
         seq.lease = lease
@@ -253,7 +258,8 @@ class Engine:
         cap = self.model.cfg.max_position
         with self.lock:
             s = self.reclaimer.settle(session_id, tenant)
-            checks.usable(s)
+            if s.fetched is None:  # else busy since this request's lease fetched its rows
+                checks.usable(s)
             mode = "chat" if message else "tokens"
             if s.mode and s.mode != mode:
                 raise InvalidArgument(f"session {session_id} takes {s.mode} turns, not {mode}")
@@ -472,24 +478,28 @@ class Engine:
 
     def _fetch_chunks(self, s: Session, rec: Record) -> None:
         """A session whose local state is behind its record, and not resident: the cluster's
-        chunks of the turns it lacks come into the store (as far as they reach), so its
-        restore reads them instead of recomputing them. Runs under the session's lease."""
+        chunks of the turns it lacks come into memory (as far as they reach), for the turn
+        about to run to restore from instead of recomputing them; it stages them into the
+        store behind it. Runs under the session's lease; with rows fetched the session stays
+        busy for that turn (`_queue_turn` takes it, or `drop_fetched`)."""
         with self.lock:
             if self.chunks is None or s.history is None or s.resident or s.busy or s.kind != rec.kind:
                 return
             if s.history[: len(s.tokens)] != s.tokens:
                 return  # the local turns were rewritten: the turn truncates them first
             s.busy = True
+        got = None
         try:
-            got = self.chunks.fetch(s.id, rec.tokens, rec.meta)
+            got = self.chunks.fetch_rows(s.id, rec.tokens)
         finally:
             with self.lock:
-                s.busy = False
-        if got:
-            with self.lock:
-                s.tokens = s.history[: len(s.tokens) + got]
-                if s.tokens == s.history:
-                    s.history = None
+                if got is None:
+                    s.busy = False
+                else:
+                    s.fetched = got
+                    s.tokens = s.history[: len(s.tokens) + got.tokens]
+                    if s.tokens == s.history:
+                        s.history = None
 
     def _ensure_context(self, cid: str, tenant: str | None) -> None:
         """A context precomputed on another replica: recompute it here from its record's tokens."""
@@ -615,19 +625,28 @@ class Engine:
         s = seq.session
         seq.t_start = time.perf_counter()
         plan = source = None
+        fetched = s.fetched  # cleared once the job holds it: until then a failure drops it
+        if fetched is not None and seq.keep - s.base <= fetched.start:
+            fetched = None  # the conversation was re-rendered before them: they are not used
+        if fetched is not None:
+            fetched = fetched.head(seq.keep - s.base - fetched.start)
         if s.cache is None and seq.keep:
             cap = self.store.cfg.read_cap_gbps or None  # the store's token bucket holds reads to it
-            plan, seq.predicted_ms = self.registry.plan(s, seq.keep, self.profile, seq.restore_method, cap)
+            plan, seq.predicted_ms = self.registry.plan(s, seq.keep, self.profile, seq.restore_method, cap, fetched)
         if seq.keep < len(s.tokens):  # the conversation was re-rendered differently: drop the rest
             if s.cache is not None:
                 s.cache.truncate(seq.keep)
-            self.store.truncate(s.id, seq.keep - s.base)
+            if fetched is None:
+                self.store.truncate(s.id, seq.keep - s.base)
             del s.tokens[seq.keep :]
+        if fetched is not None and self.chunks is not None:
+            self.chunks.used(fetched)
         if plan is not None:
-            source = self.registry.source(s, seq.keep)
+            source = self.registry.source(s, seq.keep, fetched)
             seq.plan = plan
         self.scheduler.allocate(seq)
-        self.runner.start(seq, plan, source)
+        self.runner.start(seq, plan, source, fetched)
+        s.fetched = None
         s.last_used = time.monotonic()
         self.scheduler.to_prefill(seq)
 

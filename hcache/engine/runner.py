@@ -17,12 +17,13 @@ from hcache.engine.block_pool import BatchCache, PagedCache
 from hcache.engine.errors import EngineError
 from hcache.engine.prefill import PrefillJob
 from hcache.engine.sampler import Sampler
-from hcache.engine.saver import Saver, finish_decode
+from hcache.engine.saver import Saver, finish_decode, stage_fetched
 from hcache.engine.sequence import Phase, Sequence
 from hcache.model.base import DecoderModel
 from hcache.model.decode import DecodeGraph
 from hcache.restore.plan import Plan
 from hcache.restore.state import StateSource
+from hcache.storage.hydrate import Fetched
 from hcache.storage.store import ChunkStore
 
 log = logging.getLogger(__name__)
@@ -36,11 +37,14 @@ class Runner:
         # is the host's Python work around it (tables, staging, sampling)
         self.step_ms: deque[tuple[float, float]] = deque(maxlen=512)
 
-    def start(self, seq: Sequence, plan: Plan | None, source: StateSource | None) -> None:
-        """The turn's job: restore by `plan` from `source` (when not resident), then prefill."""
+    def start(self, seq: Sequence, plan: Plan | None, source: StateSource | None, fetched: Fetched | None) -> None:
+        """The turn's job: restore by `plan` from `source` (when not resident), then prefill.
+        Rows `fetched` from the cluster (read by the restore) are staged ahead of the turn's."""
         s = seq.session
         assert s.cache is not None
-        saver = Saver(self.store, s.id, s.base) if seq.new_tokens else None
+        saver = Saver(self.store, s.id, s.base, fetched) if seq.new_tokens else None
+        if fetched is not None and saver is None:
+            stage_fetched(self.store, s.id, fetched, None)  # (waits for them)
         seq.job = PrefillJob(
             self.model,
             s.cache,

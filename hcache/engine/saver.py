@@ -8,9 +8,13 @@ captured into the job's own buffers and staged with one copy when it ends."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hcache.engine.block_pool import PagedCache
+from hcache.engine.errors import Unavailable
+from hcache.storage.hydrate import Fetched
 from hcache.storage.layout import Kind, Stored
 from hcache.storage.staging import StagedBatch
 from hcache.storage.store import ChunkStore
@@ -22,10 +26,13 @@ def _kv_rows(cache: PagedCache, layer: int, rows: torch.Tensor) -> tuple[torch.T
 
 
 class Saver:
-    """Rows of one owner. `base` is where the owner's own tokens start (a shared context before it)."""
+    """Rows of one owner. `base` is where the owner's own tokens start (a shared context before
+    it). Rows `ahead` (fetched from the cluster, read by the turn's restore) go to the store
+    first, with the first piece: staged at the start, their disk writes would compete with
+    the restore for the cores."""
 
-    def __init__(self, store: ChunkStore, owner: str, base: int = 0):
-        self.store, self.owner, self.base = store, owner, base
+    def __init__(self, store: ChunkStore, owner: str, base: int = 0, ahead: Fetched | None = None):
+        self.store, self.owner, self.base, self.ahead = store, owner, base, ahead
         self.kinds: list[Stored] = store.layer_kinds(store.owner_row(owner))
         self._n = self._cap = 0
         self._start = 0
@@ -52,6 +59,9 @@ class Saver:
             dst[:n, 1] = v
 
     def submit(self) -> None:
+        if self.ahead is not None:
+            a, self.ahead = self.ahead, None
+            stage_fetched(self.store, self.owner, a, a.release)  # the restore is done with them
         n = self._n
         batch = self.store.acquire([(self.owner, self._start - self.base, n)])
         for layer, t in batch.hidden.items():
@@ -59,6 +69,19 @@ class Saver:
         for layer, t in batch.kv.items():
             t.copy_(self._kv[layer][:n])
         self.store.submit(batch)
+
+
+def stage_fetched(store: ChunkStore, owner: str, rows: Fetched, on_packed: Callable[[], None] | None) -> None:
+    """Rows fetched from the cluster into the store, ahead of the turn's own: all of them, or
+    the turn fails (one damaged in transit was recomputed by the restore, but the store takes
+    rows of every stored kind; the turn's retry recomputes past the removed chunk)."""
+    if not rows.intact():
+        rows.release()
+        raise Unavailable(
+            f"a chunk of {owner} fetched from the cluster failed its checksum ({rows.progress.error or 'damaged'}); "
+            "retry the turn"
+        )
+    store.stage_rows(owner, rows.start, rows.hidden, rows.kv, on_packed)
 
 
 def finish_decode(store: ChunkStore, batch: StagedBatch, caches: list[PagedCache], positions: list[int]) -> None:

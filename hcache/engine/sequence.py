@@ -18,6 +18,7 @@ from hcache.engine.records import PlanSummary, RestoreResult, SessionMeta, TurnS
 from hcache.engine.sampler import Sampler, SamplingParams
 from hcache.restore.plan import Method, Plan
 from hcache.storage.catalogue import Lease
+from hcache.storage.hydrate import Fetched
 
 
 class Phase(str, Enum):
@@ -55,10 +56,23 @@ class Session:
     # the token ids of its last acknowledged turn when those run ahead of (or apart from) the
     # local state in `tokens`: another replica ran turns on it (cluster mode); None: `tokens`
     history: list[int] | None = None
+    # rows of the tokens in `tokens` past the durable ones, fetched from the cluster for the
+    # turn about to run (which restores from them and stages them); the session stays busy
+    fetched: Fetched | None = None
 
     @property
     def resident(self) -> bool:
         return self.cache is not None
+
+    def drop_fetched(self) -> None:
+        """The turn that fetched rows did not start: back to the durable state, the record's
+        tokens past it to be fetched or recomputed by the next turn."""
+        f, self.fetched = self.fetched, None
+        if f is not None:
+            f.release()
+            if self.history is None:
+                self.history = list(self.tokens)
+            del self.tokens[self.base + f.start :]
 
     @property
     def own_tokens(self) -> list[int]:

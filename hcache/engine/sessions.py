@@ -16,9 +16,10 @@ from hcache.model.base import DecoderModel
 from hcache.restore.partitioner import PlannedRestore, partition, partition_stored, storage_kinds
 from hcache.restore.plan import Method, Plan
 from hcache.restore.profile import Geometry, Profile
-from hcache.restore.sources import SharedSource, StoreSource
+from hcache.restore.sources import RowsSource, SharedSource, StoreSource
 from hcache.restore.state import StateSource
 from hcache.storage.catalogue import Record
+from hcache.storage.hydrate import Fetched
 from hcache.storage.layout import CHUNK_TOKENS, Kind, Stored, encode_layer_kinds
 from hcache.storage.store import ChunkStore
 
@@ -210,19 +211,34 @@ class Registry:
         par = self.store.layer_kinds(self.store.owner_row(s.parent))
         return par if n <= s.base else [a & b for a, b in zip(par, own, strict=True)]
 
-    def source(self, s: Session, n: int) -> StateSource:
+    def source(self, s: Session, n: int, fetched: Fetched | None = None) -> StateSource:
+        """Where `n` tokens of `s` are read from: its context's chunks, then its own, then
+        the rows `fetched` from the cluster past those (the first `fetched.tokens` of them)."""
         if s.error:
             raise FailedPrecondition(s.error)
+        stored = n > s.base and (fetched is None or fetched.start > 0)
+        own: StateSource | None = StoreSource(self.store, s.id, self.fingerprint) if stored else None
+        if fetched is not None:
+            lo = s.base + fetched.start
+            heads = (self.model.cfg.num_kv_heads, self.model.cfg.head_dim)
+            rows = RowsSource(s.tokens[lo : lo + fetched.tokens], fetched, heads)
+            own = SharedSource(own, rows, fetched.start) if fetched.start else rows
         if s.parent is None:
-            return StoreSource(self.store, s.id, self.fingerprint)
-        parent = StoreSource(self.store, s.parent, self.fingerprint)
-        own = StoreSource(self.store, s.id, self.fingerprint) if n > s.base else None
-        return SharedSource(parent, own, s.base)
+            assert own is not None
+            return own
+        return SharedSource(StoreSource(self.store, s.parent, self.fingerprint), own, s.base)
 
     def plan(
-        self, s: Session, n: int, profile: Profile, method: Method | None, cap_gbps: float | None
+        self,
+        s: Session,
+        n: int,
+        profile: Profile,
+        method: Method | None,
+        cap_gbps: float | None,
+        fetched: Fetched | None = None,
     ) -> tuple[Plan, float | None]:
-        """The plan for restoring `n` tokens of `s`, and its predicted ms (auto only)."""
+        """The plan for restoring `n` tokens of `s`, and its predicted ms (auto only). With rows
+        `fetched` into memory, every layer reads them (KV where stored: a copy beats a projection)."""
         L = self.model.cfg.num_layers
         stored = self.stored(s, n)
         if method == Method.RECOMPUTE:
@@ -236,6 +252,8 @@ class Registry:
                     f"{'...' if len(missing) > 8 else ''}; it stores per layer {encode_layer_kinds(list(stored))}"
                 )
             return Plan.uniform(L, method), None
+        if fetched is not None and all(stored):
+            return Plan(tuple(Method.KV if Kind.KV in ks else Method.HIDDEN for ks in stored)), None
         geom = Geometry.of(self.model.cfg, torch.finfo(self.model.dtype).bits // 8)
         res: PlannedRestore = partition_stored(geom, profile, n, stored, cap_gbps)
         return res.plan, res.makespan_ms

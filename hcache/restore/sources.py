@@ -11,6 +11,7 @@ import torch
 from hcache.restore.plan import Plan
 from hcache.restore.state import StateSource, StateUnavailable
 from hcache.storage.errors import ChunkError
+from hcache.storage.hydrate import Fetched
 from hcache.storage.layout import CHUNK_TOKENS, Kind
 from hcache.storage.reader import OwnerReader, Want
 from hcache.storage.store import ChunkStore
@@ -101,18 +102,51 @@ class StoreSource(StateSource):
         return self.reader.bytes_read if self.reader is not None else 0
 
 
-class SharedSource(StateSource):
-    """A session on a shared context: tokens before `base` come from the context's chunks,
-    the rest from the session's own (which start at index 0 at token `base`)."""
+class RowsSource(StateSource):
+    """Rows fetched from the cluster into memory, read as they come: layer by layer, once
+    `fetched.ready(layer)`; a layer whose chunks were damaged is recomputed."""
 
-    def __init__(self, parent: StoreSource, own: StoreSource | None, base: int):
+    def __init__(self, tokens: list[int], fetched: Fetched, kv_shape: tuple[int, int]):
+        self._tokens, self.fetched, self._kv_shape = tokens, fetched, kv_shape
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._tokens
+
+    def ready(self, layer: int) -> bool:
+        return self.fetched.ready(layer)
+
+    def wait(self, layer: int, timeout: float) -> bool:
+        return self.fetched.wait(layer, timeout)
+
+    def _rows(self, rows: dict[int, torch.Tensor], layer: int, what: str, lo: int, hi: int | None) -> torch.Tensor:
+        t = rows.get(layer)
+        self.fetched.wait(layer)
+        if t is None or not self.fetched.usable(layer):
+            raise StateUnavailable(layer, f"layer {layer}: no intact {what} rows came from the cluster")
+        return t[lo:hi]
+
+    def hidden(self, layer: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        return self._rows(self.fetched.hidden, layer, "hidden", lo, hi)
+
+    def kv(self, layer: int, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        both = self._rows(self.fetched.kv, layer, "KV", lo, hi)
+        return both[:, 0].unflatten(1, self._kv_shape), both[:, 1].unflatten(1, self._kv_shape)
+
+
+class SharedSource(StateSource):
+    """Tokens before `base` from one source, the rest from another (whose token 0 is token
+    `base`): a session on a shared context (the context's chunks, then its own), or a
+    session's stored turns followed by rows fetched from the cluster."""
+
+    def __init__(self, parent: StateSource, own: StateSource | None, base: int):
         self.parent, self.own, self.base = parent, own, base
 
     @property
     def tokens(self) -> list[int]:
         return self.parent.tokens[: self.base] + (self.own.tokens if self.own else [])
 
-    def _parts(self) -> list[StoreSource]:
+    def _parts(self) -> list[StateSource]:
         return [self.parent] + ([self.own] if self.own else [])
 
     def prepare(self, plan: Plan) -> None:
@@ -130,7 +164,7 @@ class SharedSource(StateSource):
     def wait(self, layer: int, timeout: float) -> bool:
         return all(s.wait(layer, timeout) for s in self._parts())
 
-    def _pieces(self, lo: int, hi: int | None) -> list[tuple[StoreSource, int, int]]:
+    def _pieces(self, lo: int, hi: int | None) -> list[tuple[StateSource, int, int]]:
         """(source, lo, hi) in that source's own token indices, covering `lo:hi`."""
         hi = len(self.tokens) if hi is None else hi
         out = []

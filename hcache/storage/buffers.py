@@ -142,3 +142,29 @@ class LayerBuffers:
             keep = 2 * max(self.prefetch_bytes, (self.prefetch_layers + 2) * largest)
             while self._pooled_bytes > keep:
                 self._pooled_bytes -= self.free.pop(0).nbytes
+
+
+class FetchBuffers:
+    """Memory for rows fetched from the cluster: one flat buffer per fetch, the last `keep`
+    returned kept for the next fetches (fresh memory costs page faults on every fetch). A new
+    buffer has `headroom` to spare, so that the next turn's fetch of a grown session (or of
+    one a little longer) reuses it."""
+
+    def __init__(self, keep: int = 2, headroom: float = 0.25):
+        self.keep, self.headroom = keep, headroom
+        self.free: list[torch.Tensor] = []  # least recently returned first
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 buffer of at least `nbytes`: the smallest free one large enough, or a new one."""
+        with self.lock:
+            fits = [i for i, t in enumerate(self.free) if t.numel() >= nbytes]
+            if fits:
+                return self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
+        size = max(1, int(nbytes * (1 + self.headroom)))
+        return torch.frombuffer(aligned_buffer(size, huge=False), dtype=torch.uint8)
+
+    def give(self, t: torch.Tensor) -> None:
+        with self.lock:
+            self.free.append(t)
+            del self.free[: -self.keep]

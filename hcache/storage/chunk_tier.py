@@ -26,6 +26,15 @@ from hcache.storage.layout import CHUNK_TOKENS, Kind, checksum
 HEADER = struct.Struct("<qqI")  # checksum of the rows, hash of the token prefix, rows
 
 
+# GETRANGE of every key server-side: a pipeline of thousands of small commands costs more
+# in redis-py's cluster pipeline than the fetch's own MGETs
+HEADERS_LUA = """
+local out = {}
+for i, k in ipairs(KEYS) do out[i] = redis.call('GETRANGE', k, 0, ARGV[1]) end
+return out
+"""
+
+
 def chunk_key(owner: str, layer: int, kind: Kind, idx: int) -> str:
     return f"hc:{{{owner}}}:c:{layer}:{kind.value}:{idx}"
 
@@ -60,11 +69,17 @@ def unpack(value: bytes | None, prefix: int, n_rows: int, row_bytes: int) -> mem
     return body
 
 
+def read_header(head: bytes | None) -> tuple[int, int, int] | None:
+    """(checksum, prefix hash, rows) from a value's first `HEADER.size` bytes; None for none."""
+    return HEADER.unpack(head) if head is not None and len(head) == HEADER.size else None
+
+
 class ChunkTier:
     """Chunk bytes in Redis (a Redis Cluster or one server), through a redis-py client."""
 
     def __init__(self, client: Any, url: str, ttl_s: int = 86_400):
         self.r, self.url, self.ttl_s = client, url, ttl_s
+        self._headers: Any = None
 
     def put(self, items: list[tuple[str, bytes]]) -> None:
         """One pipeline of SET EX: on a cluster it groups the commands per server."""
@@ -76,6 +91,22 @@ class ChunkTier:
     def get(self, keys: list[str]) -> list[bytes | None]:
         """Keys of one owner (one hash slot): one MGET."""
         return list(self.r.mget(keys)) if keys else []
+
+    def drop(self, keys: list[str]) -> None:
+        """Delete chunks found damaged: a later fetch stops before them and recomputes."""
+        pipe = self.r.pipeline(transaction=False)
+        for k in keys:
+            pipe.delete(k)
+        pipe.execute()
+
+    def headers(self, keys: list[str]) -> list[bytes]:
+        """The first `HEADER.size` bytes of each key's value (b"" where there is none), to see
+        what a fetch would find: keys of one owner (one hash slot), one script call."""
+        if not keys:
+            return []
+        if self._headers is None:
+            self._headers = self.r.register_script(HEADERS_LUA)
+        return list(self._headers(keys=keys, args=[HEADER.size - 1]))
 
     def measure_gbps(self, nbytes: int = 4 << 20, rounds: int = 3) -> float:
         """Read bandwidth of one large GET (the best of `rounds`), as a restore's MGET of a

@@ -1,94 +1,226 @@
-"""Bringing an owner's chunks from the cluster into the local store: the tokens past what
-the store holds, as far as every stored layer's chunks reach intact. The store then
-restores them like any other durable turn (its planner prices its own disks), and the
-tokens past the first chunk the cluster lacks are recomputed by the turn's prefill."""
+"""Bringing an owner's chunks from the cluster: the tokens past what the local store holds,
+as far as every stored layer's chunks reach intact. One pipeline of header reads finds
+how far that is (the tokens past the first chunk some layer lacks, or holds for other
+tokens, are recomputed by the turn's prefill); then the chunks come layer by layer. A
+turn restores straight from the fetched rows while later layers are still coming
+(`background`), and stages them into the store behind it (engine/cluster_chunks.py);
+`hydrate` makes them durable at once (a context, read from the store by the sessions on it)."""
 
 from __future__ import annotations
 
+import math
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from hcache.storage.chunk_tier import ChunkTier, chunk_key, chunk_rows, prefix_hash, unpack
+from hcache.storage.buffers import FetchBuffers
+from hcache.storage.chunk_tier import ChunkTier, chunk_key, chunk_rows, prefix_hash, read_header, unpack
 from hcache.storage.layout import CHUNK_TOKENS, Kind, num_chunks
 from hcache.storage.store import ChunkStore
 
-WINDOW = 8  # chunks per stream per MGET: 512 tokens of every layer in memory at a time
+
+@dataclass(eq=False)
+class Progress:
+    """Which layers' rows are in, shared by a fetch and the views cut from it."""
+
+    layers: dict[int, threading.Event]
+    bad: dict[int, int] = field(default_factory=dict)  # layer -> first token whose chunk failed its checksum
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None  # the fetch itself failed (every layer not in is bad)
 
 
 @dataclass
-class Hydrated:
-    tokens: int = 0  # tokens whose state came from the cluster
-    bytes: int = 0  # chunk bytes fetched (the ones used)
-    missing: int = 0  # 1 if the fetch stopped at a missing or unusable chunk
+class Fetched:
+    """Rows of an owner's tokens `start:start+tokens` from the cluster, per layer and kind,
+    each stream one contiguous tensor (as a restore reads it and a batch stages it). Layer
+    `l`'s rows are there once `ready(l)`; a layer in `bad` must not be used."""
+
+    start: int
+    tokens: int = 0
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [tokens, hidden]
+    kv: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [tokens, 2, kv_dim]
+    bytes: int = 0  # chunk bytes to fetch
+    missing: int = 0  # 1 if the chunks stop short of the owner's tokens (missing or of other tokens)
+    memory: torch.Tensor | None = None  # what the rows are views of, from `pool`
+    pool: FetchBuffers | None = None
+    progress: Progress = field(default_factory=lambda: _finished({}))
+
+    def head(self, n: int) -> Fetched:
+        """The first `n` of these rows (views of the same memory, filled by the same fetch)."""
+        n = min(n, self.tokens)
+        cut = {layer: t[:n] for layer, t in self.hidden.items()}, {layer: t[:n] for layer, t in self.kv.items()}
+        return Fetched(self.start, n, *cut, self.bytes, self.missing, self.memory, self.pool, self.progress)
+
+    def ready(self, layer: int) -> bool:
+        ev = self.progress.layers.get(layer)
+        return ev is None or ev.is_set()
+
+    def wait(self, layer: int, timeout: float | None = None) -> bool:
+        ev = self.progress.layers.get(layer)
+        return ev is None or ev.wait(timeout)
+
+    def usable(self, layer: int) -> bool:
+        """Layer `layer`'s rows are in and intact (call after `ready`)."""
+        return layer not in self.progress.bad
+
+    def intact(self) -> bool:
+        """Every layer is in and intact: the rows may be staged (waits for the fetch)."""
+        self.progress.done.wait()
+        return not self.progress.bad
+
+    def release(self) -> None:
+        """Nothing reads the rows any more: their memory serves the next fetch (once the
+        fetch has stopped writing it)."""
+        self.progress.done.wait()
+        if self.memory is not None and self.pool is not None:
+            self.pool.give(self.memory)
+        self.memory = None
 
 
-def hydrate(
-    store: ChunkStore, tier: ChunkTier, owner: str, tokens: list[int], meta: dict | None, window: int = WINDOW
-) -> Hydrated:
-    """The owner's own `tokens` (the record's) past the store's durable prefix of them, a
-    window of `window` chunks of every layer at a time (one MGET each: one slot; the next
-    window's MGET runs while this one is checked and staged), up to the first chunk some
-    layer lacks; then made durable. Returns what came."""
+def fetch(
+    store: ChunkStore,
+    tier: ChunkTier,
+    owner: str,
+    tokens: list[int],
+    pool: FetchBuffers | None = None,
+    background: bool = False,
+) -> Fetched:
+    """The owner's own `tokens` (the record's) past the store's durable prefix of them, as
+    far as the cluster holds every stored layer's chunks of exactly those tokens (their
+    headers say so: one pipeline). The rows come layer by layer (one MGET per layer: one
+    slot; the next layer's runs while this one is checked and copied), in the background
+    with `background` (wait with `ready`/`wait`); a chunk whose body fails its checksum
+    marks its layer bad. The store is not written: see `ChunkStore.stage_rows`, `hydrate`."""
     row = store.owner_row(owner)
     start, n = row.num_tokens, len(tokens)
-    out = Hydrated()
+    out = Fetched(start)
     kinds = store.layer_kinds(row)
     if start >= n or row.tokens != tokens[:start] or not any(kinds):
         return out  # nothing to fetch, local turns that differ, or nothing stored per layer
     streams = [(layer, kind) for layer, ks in enumerate(kinds) for kind in sorted(ks)]
-    windows = [range(lo, min(lo + window, num_chunks(n))) for lo in range(start // CHUNK_TOKENS, num_chunks(n), window)]
-
-    def get(idxs: range) -> list[bytes | None]:
-        return tier.get([chunk_key(owner, layer, kind, i) for layer, kind in streams for i in idxs])
-
-    pos = start  # rows staged so far
-    with ThreadPoolExecutor(1, thread_name_prefix="hcache-hydrate") as pool:
-        ahead = pool.submit(get, windows[0])
-        for w, idxs in enumerate(windows):
-            values = ahead.result()
-            if w + 1 < len(windows):
-                ahead = pool.submit(get, windows[w + 1])
-            for i in idxs:
-                got = _chunk(store, streams, tokens, i, values[i - idxs[0] :: len(idxs)], pos, out)
-                if got is None:
-                    ahead.cancel()
-                    break  # past a missing chunk the turn's prefill recomputes
-                out.bytes += _stage(store, owner, got, pos)
-                pos = i * CHUNK_TOKENS + chunk_rows(n, i)
-            else:
-                continue
-            break
-    if pos > start:
-        store.mark_durable(owner, tokens[:pos], meta)
-    out.tokens = pos - start
+    first = start // CHUNK_TOKENS
+    prefixes = [prefix_hash(tokens[: i * CHUNK_TOKENS + chunk_rows(n, i)]) for i in range(first, num_chunks(n))]
+    end = _reach(tier, owner, streams, n, first, prefixes)
+    out.missing = int(end < n)
+    if end <= start:
+        return out
+    out.tokens = end - start
+    out.pool = pool or FetchBuffers(keep=0, headroom=0)
+    shapes = {(la, k): (out.tokens, *store.shapes[k].shape[1:]) for la, k in streams}
+    item = store.dtype.itemsize
+    out.bytes = sum(math.prod(sh) * item for sh in shapes.values())
+    out.memory = out.pool.take(out.bytes)
+    off = 0
+    for (layer, kind), sh in shapes.items():
+        size = math.prod(sh) * item
+        (out.hidden if kind == Kind.HIDDEN else out.kv)[layer] = out.memory[off : off + size].view(store.dtype).view(sh)
+        off += size
+    layers = sorted({la for la, _ in streams})
+    out.progress = Progress({la: threading.Event() for la in layers})
+    job = _LayerFetch(store, tier, owner, out, streams, n, first, prefixes)
+    if background:
+        threading.Thread(target=job.run, name="hcache-fetch", daemon=True).start()
+    else:
+        job.run()
     return out
 
 
-def _chunk(
-    store: ChunkStore,
-    streams: list[tuple[int, Kind]],
-    tokens: list[int],
-    i: int,
-    values: list[bytes | None],
-    pos: int,
-    out: Hydrated,
-) -> dict[tuple[int, Kind], torch.Tensor] | None:
-    """Chunk `i` of every stream (`values`, in stream order), its rows from token `pos` on, in
-    place; None if some stream's chunk is missing or not of exactly these tokens."""
-    rows = chunk_rows(len(tokens), i)
-    pre = prefix_hash(tokens[: i * CHUNK_TOKENS + rows])
-    parts = {}
-    for (layer, kind), value in zip(streams, values, strict=True):
-        shape = store.shapes[kind]
-        body = unpack(value, pre, rows, shape.nbytes // CHUNK_TOKENS)
-        if body is None:
-            out.missing += 1
-            return None
-        parts[(layer, kind)] = _rows(body, store.dtype, shape.shape[1:])[pos - i * CHUNK_TOKENS :]
-    return parts
+def hydrate(store: ChunkStore, tier: ChunkTier, owner: str, tokens: list[int], meta: dict | None) -> Fetched:
+    """`fetch`, then the rows before the first bad chunk staged into the store and made
+    durable (with `meta`)."""
+    got = fetch(store, tier, owner, tokens)
+    if got.progress.error is not None:
+        raise got.progress.error
+    if got.progress.bad:  # a damaged chunk: what comes before it is still good
+        got = got.head(min(got.progress.bad.values()) - got.start)
+        got.missing = 1
+    if got.tokens:
+        store.stage_rows(owner, got.start, got.hidden, got.kv, got.release)
+        store.mark_durable(owner, tokens[: got.start + got.tokens], meta)
+    return got
+
+
+def _reach(
+    tier: ChunkTier, owner: str, streams: list[tuple[int, Kind]], n: int, first: int, prefixes: list[int]
+) -> int:
+    """How far (in tokens) every stream's chunks from index `first` on are there, for these
+    tokens (`prefixes`: the token prefix hash of each chunk)."""
+    idxs = range(first, num_chunks(n))
+    heads = tier.headers([chunk_key(owner, layer, kind, i) for layer, kind in streams for i in idxs])
+    reach = n
+    for s in range(len(streams)):
+        for j, i in enumerate(idxs):
+            head = read_header(heads[s * len(idxs) + j])
+            if head is None or head[1:] != (prefixes[j], chunk_rows(n, i)):
+                reach = min(reach, i * CHUNK_TOKENS)
+                break
+    return reach
+
+
+@dataclass
+class _LayerFetch:
+    store: ChunkStore
+    tier: ChunkTier
+    owner: str
+    out: Fetched
+    streams: list[tuple[int, Kind]]
+    n: int
+    first: int
+    prefixes: list[int]
+
+    def run(self) -> None:
+        out, prog = self.out, self.out.progress
+        layers = list(prog.layers)
+        idxs = range(self.first, num_chunks(out.start + out.tokens))
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="hcache-fetch-get") as pool:
+                ahead = pool.submit(self._get, layers[0], idxs)
+                for k, layer in enumerate(layers):
+                    values = ahead.result()
+                    if k + 1 < len(layers):
+                        ahead = pool.submit(self._get, layers[k + 1], idxs)
+                    self._place(layer, idxs, values)
+                    prog.layers[layer].set()
+        except BaseException as e:  # the cluster went away mid-fetch: what is not in is bad
+            prog.error = e
+            for layer, ev in prog.layers.items():
+                if not ev.is_set():
+                    prog.bad.setdefault(layer, out.start)
+                    ev.set()
+        finally:
+            prog.done.set()
+
+    def _get(self, layer: int, idxs: range) -> list[bytes | None]:
+        kinds = [k for la, k in self.streams if la == layer]
+        return self.tier.get([chunk_key(self.owner, layer, k, i) for k in kinds for i in idxs])
+
+    def _place(self, layer: int, idxs: range, values: list[bytes | None]) -> None:
+        """Check every chunk of the layer and copy its rows (from the fetch's first token) in place."""
+        out = self.out
+        kinds = [k for la, k in self.streams if la == layer]
+        for s, kind in enumerate(kinds):
+            shape = self.store.shapes[kind]
+            dst = (out.hidden if kind == Kind.HIDDEN else out.kv)[layer]
+            for j, i in enumerate(idxs):
+                rows = chunk_rows(self.n, i)
+                body = unpack(values[s * len(idxs) + j], self.prefixes[j], rows, shape.nbytes // CHUNK_TOKENS)
+                lo = max(out.start, i * CHUNK_TOKENS)
+                if body is None:  # evicted since, or damaged: dropped, so a retry stops before it
+                    out.progress.bad[layer] = min(out.progress.bad.get(layer, lo), lo)
+                    self.tier.drop([chunk_key(self.owner, layer, kind, i)])
+                    return
+                hi = min(i * CHUNK_TOKENS + rows, out.start + out.tokens)
+                src = _rows(body, self.store.dtype, shape.shape[1:])
+                dst[lo - out.start : hi - out.start].copy_(src[lo - i * CHUNK_TOKENS : hi - i * CHUNK_TOKENS])
+
+
+def _finished(layers: dict[int, threading.Event]) -> Progress:
+    p = Progress(layers)
+    p.done.set()
+    return p
 
 
 def _rows(body: memoryview, dtype: torch.dtype, width: tuple[int, ...]) -> torch.Tensor:
@@ -96,11 +228,3 @@ def _rows(body: memoryview, dtype: torch.dtype, width: tuple[int, ...]) -> torch
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch warns of any non-writable buffer
         return torch.frombuffer(body, dtype=dtype).view(-1, *width)
-
-
-def _stage(store: ChunkStore, owner: str, parts: dict[tuple[int, Kind], torch.Tensor], lo: int) -> int:
-    """One chunk's rows of every stream, from token `lo`, into the store."""
-    hidden = {layer: t for (layer, kind), t in parts.items() if kind == Kind.HIDDEN}
-    kv = {layer: t for (layer, kind), t in parts.items() if kind != Kind.HIDDEN}
-    store.save_rows(owner, lo, hidden, kv)
-    return sum(t.numel() * t.element_size() for t in parts.values())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,8 @@ class StagedBatch:
     hidden: dict[int, torch.Tensor]  # layer -> [rows, hidden]
     kv: dict[int, torch.Tensor]  # layer -> [rows, 2, kv_dim]
     segments: list[Segment] = field(default_factory=list)
+    in_ring: bool = True  # False: rows in the caller's own tensors, held by the batch until packed
+    on_packed: Callable[[], None] | None = None  # (not in the ring) told when they are no longer read
 
 
 class StagingRing:
@@ -96,6 +99,10 @@ class StagingRing:
         return self.head if tail - self.head >= n else None
 
     def release(self, batch: StagedBatch) -> None:
+        if not batch.in_ring:
+            if batch.on_packed is not None:
+                batch.on_packed()
+            return
         with self.cond:
             for e in self.entries:
                 if e[0] == batch.offset and e[1] == batch.offset + batch.nbytes:

@@ -186,6 +186,22 @@ class ChunkStore:
                 t.copy_(kv[layer][lo:hi])
             self.submit(batch)
 
+    def stage_rows(
+        self,
+        owner: str,
+        start: int,
+        hidden: dict[int, torch.Tensor],
+        kv: dict[int, torch.Tensor],
+        on_packed: Callable[[], None] | None = None,
+    ) -> None:
+        """Like `save_rows`, without the ring: the rows (every layer and kind the owner stores)
+        are packed from the given tensors, which must stay unchanged until `on_packed` is
+        called (from the packer's thread). Never waits for ring room, so a large batch goes
+        behind the rows before it at once."""
+        n = next(iter(hidden.values() or kv.values())).shape[0]
+        batch = StagedBatch(-1, 0, n, hidden, kv, [Segment(owner, start, n, 0)], in_ring=False, on_packed=on_packed)
+        self.packer.inbox.put(batch)
+
     def mark_durable(
         self, owner: str, tokens: list[int], meta: dict | None = None, index_as: str | None = None
     ) -> None:

@@ -11,11 +11,12 @@ import pytest
 import redis
 from cluster_helpers import redis_cluster, two_replicas  # noqa: F401 - a fixture
 from conftest import tload
-from engine_helpers import make_engine, word_tokenizer
+from engine_helpers import make_engine, turn, word_tokenizer
 from prometheus_client import generate_latest
-from test_cluster import History, ids
+from test_cluster import History, P, ids
 
 from hcache.engine.cluster import ClusterLink
+from hcache.engine.errors import InvalidArgument, Unavailable
 from hcache.server.metrics import Metrics
 from hcache.storage.chunk_tier import ChunkTier, chunk_key, pack, prefix_hash, unpack
 from hcache.storage.layout import Kind
@@ -106,6 +107,56 @@ def test_a_replica_restores_a_session_from_the_clusters_chunks(model, pair):
     h.run(a, s.id, ids(rng, 9))  # a holds a stale turn: the turn b ran comes from b's chunks
     assert a.chunks.counters.fetches == 1 and a.chunks.counters.tokens == 7 + 5
     assert a.cluster.counters.recomputed_tokens == 0
+
+
+def test_fetched_rows_turn_durable_with_the_turn_and_a_refused_turn_drops_them(model, pair):
+    """The turn restores from the fetched rows in memory and stages them behind it: after
+    it they are b's own. A turn refused after its fetch leaves b's session as it was."""
+    a, b = pair
+    rng = random.Random(17)
+    s = a.create_session()
+    h = History(model)
+    h.run(a, s.id, ids(rng, 150))
+    assert a.chunks.uploader.flush()
+    with pytest.raises(InvalidArgument):  # a token id past the vocabulary: refused after the fetch
+        turn(b, s.id, token_ids=[model.cfg.vocab_size], params=P)
+    bs = b.registry.sessions[s.id]
+    assert b.chunks.counters.bytes_read > 0 and b.chunks.counters.fetches == 0
+    assert bs.fetched is None and not bs.busy
+    assert bs.tokens == [] and bs.history is not None and b.store.owner_row(s.id).num_tokens == 0
+    h.run(b, s.id, ids(rng, 7))  # fetched again, restored from memory
+    assert b.chunks.counters.fetches == 1 and b.cluster.counters.recomputed_tokens == 0
+    assert b.store.owner_row(s.id).tokens == h.fed[:-1]  # durable with the turn, fetched rows included
+    b.evict(s.id)
+    h.run(b, s.id, ids(rng, 5))  # from b's own disks now
+    assert b.chunks.counters.fetches == 1 and by_source(b) == {"local": 1.0, "cluster": 1.0, "recompute": 0.0}
+
+
+def test_a_chunk_damaged_in_the_cluster_fails_one_turn_and_its_retry_is_exact(model, pair):
+    """Its header passes (so the fetch starts), its body fails the checksum: the restore
+    recomputes that layer, the store cannot take the rows, so the turn fails UNAVAILABLE and
+    the chunk is dropped; the retry fetches up to it and recomputes the rest."""
+    a, b = pair
+    rng = random.Random(19)
+    s = a.create_session()
+    h = History(model)
+    h.run(a, s.id, ids(rng, 150))
+    assert a.chunks.uploader.flush()
+    recorded = len(h.fed) - 1
+    key = chunk_key(s.id, 1, Kind.KV, 1)
+    r = a.cluster.cat.r
+    v = bytearray(r.get(key))
+    v[-1] ^= 1
+    r.set(key, bytes(v))
+    new = ids(rng, 7)
+    with pytest.raises(Unavailable, match="checksum"):
+        turn(b, s.id, token_ids=new, params=P)
+    assert r.get(key) is None
+    bs = b.registry.sessions[s.id]
+    assert not bs.busy and bs.fetched is None and b.store.owner_row(s.id).num_tokens == 0
+    h.run(b, s.id, new)  # exact: chunk 0 of every layer fetched, the rest recomputed
+    assert b.chunks.counters.misses == 1 and b.chunks.counters.tokens == recorded + 64
+    assert b.store.owner_row(s.id).tokens == h.fed[:-1]
 
 
 def test_a_context_precomputed_on_one_replica_is_fetched_by_another(model, pair):

@@ -1,6 +1,6 @@
 """Chunks up to a (dict-backed) cluster tier and back into another store: every stored row
 comes back in place; an evicted, damaged or other-prefix chunk stops the fetch right there,
-so the tokens after it are left for recompute; a fetch staged window by window."""
+so the tokens after it are left for recompute; a fetch in the background, layer by layer."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 import torch
-from storage_helpers import GEOM, KINDS, check_all, save
+from storage_helpers import GEOM, KINDS, check_all, expected, save
 
 from hcache.config import StorageConfig
+from hcache.storage.buffers import FetchBuffers
 from hcache.storage.chunk_tier import ChunkTier, chunk_key
-from hcache.storage.hydrate import hydrate
+from hcache.storage.hydrate import fetch, hydrate
 from hcache.storage.layout import Kind
 from hcache.storage.store import ChunkStore
 from hcache.storage.uploader import ChunkUploader
@@ -31,12 +32,19 @@ class DictRedis:
 
         class Pipe:
             def set(self, k: str, v: bytes, ex: int | None = None) -> None:
-                ops.append((k, v))
+                ops.append(lambda: outer.d.__setitem__(k, v))
 
-            def execute(self) -> None:
-                outer.d.update(ops)
+            def delete(self, k: str) -> None:
+                ops.append(lambda: outer.d.pop(k, None))
+
+            def execute(self) -> list:
+                return [op() for op in ops]
 
         return Pipe()
+
+    def register_script(self, src: str) -> Any:
+        assert "GETRANGE" in src  # the one script ChunkTier runs: each key's first bytes
+        return lambda keys, args: [self.d.get(k, b"")[: int(args[0]) + 1] for k in keys]
 
     def mget(self, keys: list[str]) -> list[bytes | None]:
         return [self.d.get(k) for k in keys]
@@ -75,10 +83,16 @@ def tier(tmp_path):
     return t
 
 
-@pytest.mark.parametrize("window", [1, 8])
-def test_a_fetch_brings_every_row_back_in_place(tier, tmp_path, window):
+@pytest.mark.parametrize("background", [False, True])
+def test_a_fetch_brings_every_row_back_in_place(tier, tmp_path, background):
     with open_store(tmp_path / "down") as st:
-        got = hydrate(st, tier, "s", list(range(N)), None, window=window)
+        if background:
+            got = fetch(st, tier, "s", list(range(N)), background=True)
+            assert got.intact()
+            st.stage_rows("s", got.start, got.hidden, got.kv)
+            st.mark_durable("s", list(range(N)))
+        else:
+            got = hydrate(st, tier, "s", list(range(N)), None)
         assert got.tokens == N and got.missing == 0
         assert st.owner_row("s").tokens == list(range(N))
         check_all(st, "s", N)
@@ -88,8 +102,62 @@ def test_a_fetch_continues_a_stale_store_from_mid_chunk(tier, tmp_path):
     with open_store(tmp_path / "down") as st:
         save(st, "s", 0, 40)
         st.mark_durable("s", list(range(40)))
-        assert hydrate(st, tier, "s", list(range(N)), None, window=1).tokens == N - 40
+        assert (
+            hydrate(
+                st,
+                tier,
+                "s",
+                list(range(N)),
+                None,
+            ).tokens
+            == N - 40
+        )
         check_all(st, "s", N)
+
+
+def test_fetched_rows_stage_behind_nothing_and_ahead_of_the_next_turn(tier, tmp_path):
+    """`fetch` leaves the store as it was; its rows, staged without the ring and followed by a
+    turn's own rows through the ring, become durable with that turn."""
+    with open_store(tmp_path / "down") as st:
+        save(st, "s", 0, 40)
+        st.mark_durable("s", list(range(40)))
+        got = fetch(
+            st,
+            tier,
+            "s",
+            list(range(N)),
+        )
+        assert (got.start, got.tokens, got.missing) == (40, N - 40, 0)
+        assert st.owner_row("s").num_tokens == 40
+        for layer, k in enumerate(KINDS):
+            rows = {Kind.HIDDEN: got.hidden, Kind.KV: got.kv}.get(k, {}).get(layer)
+            assert (rows is None) == (k is None)
+            if k is not None:
+                assert torch.equal(rows, expected(layer, k, N)[40:])
+        st.stage_rows("s", got.start, got.hidden, got.kv, got.release)
+        save(st, "s", N, 30)  # the turn's own rows, through the ring
+        st.mark_durable("s", list(range(N + 30)))
+        check_all(st, "s", N + 30)
+        assert st.ring.used_bytes() == 0
+
+
+def test_fetches_reuse_the_memory_of_the_last_one_once_it_is_packed(tier, tmp_path):
+    pool = FetchBuffers(keep=1)
+    with open_store(tmp_path / "one") as st:
+        got = fetch(st, tier, "s", list(range(N)), pool=pool)
+        mem = got.memory.data_ptr()
+        st.stage_rows("s", got.start, got.hidden, got.kv, got.release)
+        st.mark_durable("s", list(range(N)))  # packed: given back
+        assert [t.data_ptr() for t in pool.free] == [mem]
+    with open_store(tmp_path / "two") as st:
+        save(st, "s", 0, 10)  # a shorter fetch fits the same buffer
+        st.mark_durable("s", list(range(10)))
+        again = fetch(st, tier, "s", list(range(N)), pool=pool)
+        assert again.memory.data_ptr() == mem and pool.free == []
+        for layer, k in enumerate(KINDS):
+            if k is not None:
+                rows = (again.hidden if k == Kind.HIDDEN else again.kv)[layer]
+                assert torch.equal(rows, expected(layer, k, N)[10:])
 
 
 @pytest.mark.parametrize("harm", ["evicted", "flipped"])
@@ -102,7 +170,13 @@ def test_a_lost_chunk_stops_the_fetch_there(tier, tmp_path, harm):
         v[-1] ^= 1
         tier.r.set(key, bytes(v))
     with open_store(tmp_path / "down") as st:
-        got = hydrate(st, tier, "s", list(range(N)), None, window=1)
+        got = hydrate(
+            st,
+            tier,
+            "s",
+            list(range(N)),
+            None,
+        )
         assert got.tokens == 64 and got.missing == 1
         check_all(st, "s", 64)
 
