@@ -8,6 +8,9 @@ HCACHE=${HCACHE:-hcache}
 REDIS_PORTS=${REDIS_PORTS:-"27001 27002 27003"}  # each needs its port + 10000 free (cluster bus)
 GRPC_PORTS=${GRPC_PORTS:-"50051 50052"}
 HTTP_PORTS=(${HTTP_PORTS:-8001 8002})
+# the replicas share this machine's cores: half each, or their torch thread teams spin
+# against each other and every turn waits
+THREADS=${THREADS:-$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))}
 ROOT=$(mktemp -d -t hcache-cluster-XXXXXX)
 PIDS=()
 cleanup() {
@@ -39,7 +42,7 @@ i=0
 targets=()
 for g in $GRPC_PORTS; do
   "$HCACHE" serve --port "$g" --http-port "${HTTP_PORTS[$i]}" --dirs "$ROOT/replica-$g" \
-    --cluster "$url" --replica-name "replica-$g" >"$ROOT/replica-$g.log" 2>&1 &
+    --cluster "$url" --replica-name "replica-$g" --threads "$THREADS" >"$ROOT/replica-$g.log" 2>&1 &
   PIDS+=($!)
   targets+=("127.0.0.1:$g")
   echo "replica-$g: gRPC 127.0.0.1:$g, dashboard http://127.0.0.1:${HTTP_PORTS[$i]}/dashboard (log $ROOT/replica-$g.log)"

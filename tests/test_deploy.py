@@ -185,6 +185,7 @@ def test_compose_replicas_run_hcache_serve(toml):
         assert (COMPOSE.parent / build["context"]).resolve() / build["dockerfile"] == DEPLOY / "Dockerfile"
         assert s["depends_on"] == {init_name: {"condition": "service_completed_successfully"}}
         assert opt(args, "--replica-name") == name
+        assert int(opt(args, "--threads")) >= 1  # two replicas on one host: not every core each
         # the config file, keys and TLS files sit where the config says
         source = {x["target"]: x["source"] for x in s["configs"]}[opt(args, "--config")]
         assert (COMPOSE.parent / c["configs"][source]["file"]).resolve() == DEPLOY / "hcache.toml"
