@@ -2,7 +2,8 @@
 batching. Each step admits waiting sequences (scheduler), runs one batched decode
 step and advances restore+prefill jobs a layer at a time (runner), so a restoring
 session never stalls the others. A finished turn becomes durable off the loop
-thread. Everything that changes sessions, queues or the pool happens under `self.lock`."""
+thread. Everything that changes sessions, queues or the pool happens under `self.lock`.
+Cluster mode's leases, adoptions and fetches are in cluster_turns.py."""
 
 from __future__ import annotations
 
@@ -21,18 +22,18 @@ from hcache.engine import checks
 from hcache.engine.block_pool import BlockPool
 from hcache.engine.cluster import ClusterLink
 from hcache.engine.cluster_chunks import ClusterChunks
+from hcache.engine.cluster_turns import ClusterTurns
 from hcache.engine.errors import (
     EngineError,
     FailedPrecondition,
     InvalidArgument,
-    NotFound,
     ResourceExhausted,
     Unavailable,
 )
 from hcache.engine.finisher import Finisher
 from hcache.engine.generate import common_prefix
 from hcache.engine.reclaimer import Reclaimer
-from hcache.engine.records import Counters, EngineSnapshot, RestoreResult, SessionMeta, SessionRow, StorageState
+from hcache.engine.records import Counters, EngineSnapshot, RestoreResult, SessionRow, StorageState
 from hcache.engine.runner import Runner
 from hcache.engine.sampler import SamplingParams
 from hcache.engine.scheduler import Scheduler
@@ -45,8 +46,7 @@ from hcache.model.decode import BLOCK_TOKENS
 from hcache.model.tokenizer import Tokenizer
 from hcache.restore.plan import Method
 from hcache.restore.profile import Profile
-from hcache.storage.catalogue import Lease, Record
-from hcache.storage.errors import LeaseHeld, StorageError, UnknownOwner
+from hcache.storage.errors import StorageError
 from hcache.storage.store import ChunkStore
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ RECENT_SESSIONS = 200  # rows of the dashboard's session table
 INTERNAL = "internal error in the engine; see the server log"
 
 
-class Engine:
+class Engine(ClusterTurns):
     def __init__(
         self,
         model: DecoderModel,
@@ -422,127 +422,6 @@ class Engine:
         """A turn became durable: the loop may admit more, and the store has grown."""
         self._wake.set()
         self.reclaimer.wake.set()
-
-    # --- cluster mode (every network call outside the lock) -------------------------
-    def _publish(self, s: Session) -> None:
-        """A new session or context's record goes to the cluster; without it, it is not created."""
-        assert self.cluster is not None
-        try:
-            self.cluster.create(self.registry.record(s))
-        except BaseException:
-            with self.lock:
-                self.scheduler.evict(s)  # a fork may hold its parent's memory already
-                self.registry.delete(s)
-            raise
-
-    def _record(self, sid: str, tenant: str | None, kind: str | None = "session") -> Record:
-        """The cluster's record; another tenant's is as unknown as a missing one."""
-        assert self.cluster is not None
-        rec = self.cluster.get(sid)
-        if rec is None or (kind is not None and rec.kind != kind) or (tenant is not None and rec.tenant != tenant):
-            raise NotFound(f"{kind or 'session'} {sid[:64]!r} not found")
-        return rec
-
-    def _lease(self, sid: str, tenant: str | None, any_kind: bool = False, fetch: bool = False) -> Lease:
-        """The session's lease, its context recomputed here if this replica lacks it, and the
-        local session adopted or brought up to the record's last turn (`fetch`: with the
-        cluster's chunks of what it lacks, for the turn about to run)."""
-        assert self.cluster is not None
-        try:
-            lease, rec = self.cluster.lease(sid)
-        except UnknownOwner:
-            raise NotFound(f"session {sid[:64]!r} not found") from None
-        except LeaseHeld as e:
-            if e.holder != self.cluster.holder:
-                raise
-            raise FailedPrecondition(f"session {sid} is busy with another request") from None
-        try:
-            if (tenant is not None and rec.tenant != tenant) or (rec.kind != "session" and not any_kind):
-                raise NotFound(f"session {sid[:64]!r} not found")
-            parent = rec.meta.get("parent")
-            if parent:
-                self._ensure_context(parent, tenant)
-            with self.lock:
-                s = self.registry.sessions.get(sid)
-                if s is None:
-                    s = self.registry.adopt(rec)
-                    self.cluster.counters.adoptions += 1
-                else:
-                    self.registry.refresh(s, rec)
-            if fetch:
-                self._fetch_chunks(s, rec)
-        except BaseException:
-            self.cluster.release(lease)
-            raise
-        return lease
-
-    def _fetch_chunks(self, s: Session, rec: Record) -> None:
-        """A session whose local state is behind its record, and not resident: the cluster's
-        chunks of the turns it lacks come into memory (as far as they reach), for the turn
-        about to run to restore from instead of recomputing them; it stages them into the
-        store behind it. Runs under the session's lease; with rows fetched the session stays
-        busy for that turn (`_queue_turn` takes it, or `drop_fetched`)."""
-        with self.lock:
-            if self.chunks is None or s.history is None or s.resident or s.busy or s.kind != rec.kind:
-                return
-            if s.history[: len(s.tokens)] != s.tokens:
-                return  # the local turns were rewritten: the turn truncates them first
-            s.busy = True
-        got = None
-        try:
-            got = self.chunks.fetch_rows(s.id, rec.tokens)
-        finally:
-            with self.lock:
-                if got is None:
-                    s.busy = False
-                else:
-                    s.fetched = got
-                    s.tokens = s.history[: len(s.tokens) + got.tokens]
-                    if s.tokens == s.history:
-                        s.history = None
-
-    def _ensure_context(self, cid: str, tenant: str | None) -> None:
-        """A context precomputed on another replica: recompute it here from its record's tokens."""
-        assert self.cluster is not None
-        with self._adopting:
-            if cid in self.registry.sessions:
-                return
-            rec = self._record(cid, tenant, "context")
-            if not rec.tokens:
-                raise FailedPrecondition(f"context {cid} is still being computed on another replica")
-            with self.lock:
-                ctx = self.registry.adopt(rec)
-                ctx.busy = True
-            self.cluster.counters.adoptions += 1
-            try:
-                got = self.chunks.fetch(cid, rec.tokens, rec.meta) if self.chunks is not None else 0
-            except BaseException:
-                with self.lock:
-                    self.registry.delete(ctx)
-                raise
-            with self.lock:
-                ctx.tokens = list(rec.tokens[:got])
-                if got == len(rec.tokens):  # all of it came from the cluster's chunks
-                    ctx.history, ctx.busy = None, False
-                    return
-            self.cluster.counters.recomputed_tokens += len(rec.tokens) - got
-            self.cluster.counters.recomputes += 1
-            rest = list(rec.tokens[got:])
-            seq = self._sequence(ctx, rest, got, SamplingParams(max_new_tokens=1), [], sample=False)
-            self._submit(seq)
-            try:
-                self._wait(seq)
-            except BaseException:
-                with self.lock:  # no half-computed context stays here as if it were whole
-                    self.registry.delete(ctx)
-                raise
-
-    @staticmethod
-    def _view(rec: Record) -> Session:
-        """A session this replica holds nothing of, as the cluster records it."""
-        s = Session.from_meta(rec.owner, rec.kind, SessionMeta.from_dict(rec.meta), [], rec.created, rec.updated)
-        s.history = rec.tokens  # its context's tokens are not counted
-        return s
 
     def _check_storage(self, tenant: str | None, more_tokens: int) -> None:
         owners, limit = self.registry.sessions.values(), self.cfg.max_storage_bytes_per_tenant

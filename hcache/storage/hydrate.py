@@ -1,7 +1,7 @@
 """Bringing an owner's chunks from the cluster: the tokens past what the local store holds,
-as far as every stored layer's chunks reach intact. One pipeline of header reads finds
-how far that is (the tokens past the first chunk some layer lacks, or holds for other
-tokens, are recomputed by the turn's prefill); then the chunks come layer by layer. A
+as far as every stored layer's chunks reach intact. One script call reads every chunk's
+header to find how far that is (the tokens past the first chunk some layer lacks, or holds
+for other tokens, are recomputed by the turn's prefill); then the chunks come layer by layer. A
 turn restores straight from the fetched rows while later layers are still coming
 (`background`), and stages them into the store behind it (engine/cluster_chunks.py);
 `hydrate` makes them durable at once (a context, read from the store by the sessions on it)."""
@@ -90,7 +90,7 @@ def fetch(
 ) -> Fetched:
     """The owner's own `tokens` (the record's) past the store's durable prefix of them, as
     far as the cluster holds every stored layer's chunks of exactly those tokens (their
-    headers say so: one pipeline). The rows come layer by layer (one MGET per layer: one
+    headers say so: one script call). The rows come layer by layer (one MGET per layer: one
     slot; the next layer's runs while this one is checked and copied), in the background
     with `background` (wait with `ready`/`wait`); a chunk whose body fails its checksum
     marks its layer bad. The store is not written: see `ChunkStore.stage_rows`, `hydrate`."""
