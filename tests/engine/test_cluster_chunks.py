@@ -40,6 +40,16 @@ def pair(model, redis_cluster, tmp_path):  # noqa: F811
         yield p
 
 
+def made_on(eng, model, seed: int, n: int):
+    """A session of `n` fed tokens run on `eng`, its chunks uploaded: (rng, session, history)."""
+    rng = random.Random(seed)
+    s = eng.create_session()
+    h = History(model)
+    h.run(eng, s.id, ids(rng, n))
+    assert eng.chunks.uploader.flush()
+    return rng, s, h
+
+
 def by_source(eng) -> dict[str, float]:
     m = Metrics()
     m.attach(eng)
@@ -64,11 +74,7 @@ def test_chunk_values_are_refused_unless_intact_and_of_the_same_tokens():
 def test_evicted_chunks_are_recomputed_and_the_output_stays_exact(model, pair, redis_cluster):  # noqa: F811
     """First of the cluster tests: no other test's chunks are there for Redis to evict instead."""
     a, b = pair
-    rng = random.Random(13)
-    s = a.create_session()
-    h = History(model)
-    h.run(a, s.id, ids(rng, 200))
-    assert a.chunks.uploader.flush()
+    rng, s, h = made_on(a, model, 13, 200)
     # the session's keys share its hash tag: one master holds them all
     node = a.cluster.cat.r.get_node_from_key(f"hc:{{{s.id}}}:rec")
     r = redis.Redis(host=node.host, port=node.port)
@@ -113,11 +119,7 @@ def test_fetched_rows_turn_durable_with_the_turn_and_a_refused_turn_drops_them(m
     """The turn restores from the fetched rows in memory and stages them behind it: after
     it they are b's own. A turn refused after its fetch leaves b's session as it was."""
     a, b = pair
-    rng = random.Random(17)
-    s = a.create_session()
-    h = History(model)
-    h.run(a, s.id, ids(rng, 150))
-    assert a.chunks.uploader.flush()
+    rng, s, h = made_on(a, model, 17, 150)
     with pytest.raises(InvalidArgument):  # a token id past the vocabulary: refused after the fetch
         turn(b, s.id, token_ids=[model.cfg.vocab_size], params=P)
     bs = b.registry.sessions[s.id]
@@ -137,11 +139,7 @@ def test_a_chunk_damaged_in_the_cluster_fails_one_turn_and_its_retry_is_exact(mo
     recomputes that layer, the store cannot take the rows, so the turn fails UNAVAILABLE and
     the chunk is dropped; the retry fetches up to it and recomputes the rest."""
     a, b = pair
-    rng = random.Random(19)
-    s = a.create_session()
-    h = History(model)
-    h.run(a, s.id, ids(rng, 150))
-    assert a.chunks.uploader.flush()
+    rng, s, h = made_on(a, model, 19, 150)
     recorded = len(h.fed) - 1
     key = chunk_key(s.id, 1, Kind.KV, 1)
     r = a.cluster.cat.r
