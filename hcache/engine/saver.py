@@ -77,10 +77,9 @@ def stage_fetched(store: ChunkStore, owner: str, rows: Fetched, on_packed: Calla
     rows of every stored kind; the turn's retry recomputes past the removed chunk)."""
     if not rows.intact():
         rows.release()
-        raise Unavailable(
-            f"a chunk of {owner} fetched from the cluster failed its checksum ({rows.progress.error or 'damaged'}); "
-            "retry the turn"
-        )
+        err = rows.progress.error
+        why = f"fetching its chunks from the cluster failed: {err}" if err else "a chunk failed its checksum"
+        raise Unavailable(f"session {owner}: {why}; retry the turn")
     store.stage_rows(owner, rows.start, rows.hidden, rows.kv, on_packed)
 
 

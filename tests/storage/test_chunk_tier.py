@@ -11,6 +11,8 @@ import torch
 from storage_helpers import GEOM, KINDS, check_all, expected, save
 
 from hcache.config import StorageConfig
+from hcache.engine.errors import Unavailable
+from hcache.engine.saver import stage_fetched
 from hcache.storage.buffers import FetchBuffers
 from hcache.storage.chunk_tier import ChunkTier, chunk_key
 from hcache.storage.hydrate import fetch, hydrate
@@ -158,6 +160,28 @@ def test_fetches_reuse_the_memory_of_the_last_one_once_it_is_packed(tier, tmp_pa
             if k is not None:
                 rows = (again.hidden if k == Kind.HIDDEN else again.kv)[layer]
                 assert torch.equal(rows, expected(layer, k, N)[10:])
+
+
+def test_a_cluster_lost_mid_fetch_marks_the_layers_not_in_as_bad(tier, tmp_path):
+    calls = {"n": 0}
+    mget = tier.r.mget
+
+    def failing(keys):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise ConnectionError("cluster gone")
+        return mget(keys)
+
+    tier.r.mget = failing
+    with open_store(tmp_path / "down") as st:
+        got = fetch(st, tier, "s", list(range(N)), background=True)
+        assert not got.intact() and isinstance(got.progress.error, ConnectionError)
+        layers = sorted(got.progress.layers)
+        assert [la for la in layers if got.usable(la)] == layers[:2]  # what came before it is good
+        assert all(got.ready(la) for la in layers)  # nobody waits forever
+        with pytest.raises(Unavailable, match="cluster failed: cluster gone"):
+            stage_fetched(st, "s", got, None)
+        assert st.owner_row("s").num_tokens == 0
 
 
 @pytest.mark.parametrize("harm", ["evicted", "flipped"])
