@@ -96,8 +96,7 @@ class Finisher:
                 self._rollback(seq)
             else:
                 seq.session.mode = seq.prev_mode
-                if seq.session.fetched is not None:
-                    self._drop_fetched(seq)
+                seq.session.drop_fetched()  # (rows are staged only once the job runs)
             seq.phase = Phase.FINISHED
             seq.session.busy = False
         if seq.lease is not None and self.cluster is not None:
@@ -106,15 +105,6 @@ class Finisher:
         seq.error = err
         seq.events.put(Event(error=err))
         seq.done.set()
-
-    def _drop_fetched(self, seq: Sequence) -> None:
-        """Rows fetched for a turn that did not start leave memory, and the store (if staged)."""
-        s = seq.session
-        try:
-            self.store.truncate(s.id, self.store.owner_row(s.id).num_tokens)
-        except StorageError:
-            log.exception("dropping the fetched rows of %s", s.id)
-        s.drop_fetched()
 
     def _rollback(self, seq: Sequence) -> None:
         """The session becomes what its last durable turn left (the store's word)."""

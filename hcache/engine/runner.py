@@ -17,7 +17,7 @@ from hcache.engine.block_pool import BatchCache, PagedCache
 from hcache.engine.errors import EngineError
 from hcache.engine.prefill import PrefillJob
 from hcache.engine.sampler import Sampler
-from hcache.engine.saver import Saver, finish_decode, stage_fetched
+from hcache.engine.saver import Saver, finish_decode
 from hcache.engine.sequence import Phase, Sequence
 from hcache.model.base import DecoderModel
 from hcache.model.decode import DecodeGraph
@@ -42,9 +42,8 @@ class Runner:
         Rows `fetched` from the cluster (read by the restore) are staged ahead of the turn's."""
         s = seq.session
         assert s.cache is not None
+        assert fetched is None or seq.new_tokens, "rows are fetched for turns, which feed a token"
         saver = Saver(self.store, s.id, s.base, fetched) if seq.new_tokens else None
-        if fetched is not None and saver is None:
-            stage_fetched(self.store, s.id, fetched, None)  # (waits for them)
         seq.job = PrefillJob(
             self.model,
             s.cache,

@@ -193,15 +193,16 @@ class _LayerFetch:
         finally:
             prog.done.set()
 
+    def _kinds(self, layer: int) -> list[Kind]:
+        return [k for la, k in self.streams if la == layer]
+
     def _get(self, layer: int, idxs: range) -> list[bytes | None]:
-        kinds = [k for la, k in self.streams if la == layer]
-        return self.tier.get([chunk_key(self.owner, layer, k, i) for k in kinds for i in idxs])
+        return self.tier.get([chunk_key(self.owner, layer, k, i) for k in self._kinds(layer) for i in idxs])
 
     def _place(self, layer: int, idxs: range, values: list[bytes | None]) -> None:
         """Check every chunk of the layer and copy its rows (from the fetch's first token) in place."""
         out = self.out
-        kinds = [k for la, k in self.streams if la == layer]
-        for s, kind in enumerate(kinds):
+        for s, kind in enumerate(self._kinds(layer)):
             shape = self.store.shapes[kind]
             dst = (out.hidden if kind == Kind.HIDDEN else out.kv)[layer]
             for j, i in enumerate(idxs):
