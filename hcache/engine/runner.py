@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 class Runner:
     def __init__(self, model: DecoderModel, store: ChunkStore, cfg: EngineConfig):
         self.model, self.store, self.cfg = model, store, cfg
-        self.graph = DecodeGraph(model) if cfg.decode == "compiled" else None
+        self.graph = DecodeGraph(model, tuned=cfg.decode == "tuned") if cfg.decode != "eager" else None
         # recent decode steps: (whole step, the compiled graph's call) in ms; the difference
         # is the host's Python work around it (tables, staging, sampling)
         self.step_ms: deque[tuple[float, float]] = deque(maxlen=512)
