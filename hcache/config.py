@@ -231,7 +231,9 @@ class EngineConfig:
     default_max_new_tokens: int = setting(256, "max_new_tokens of a request that gives none")
     fused: bool = setting(True, "prefill layer l as soon as layer l's KV is restored", aliases=("--sequential",))
     store_kinds: str = setting(
-        "auto", "what is stored per layer (auto: the planner's choice)", choices=("auto", "kv", "hidden", "both")
+        "auto",
+        "what is stored per layer (auto: the planner's choice; none: nothing, sessions restore by recompute)",
+        choices=("auto", "kv", "hidden", "both", "none"),
     )
     plan_tokens: int = setting(4096, "the session length the storage choice is planned for")
     max_sessions_per_tenant: int = setting(0, "sessions per API key (0: no limit)", flag="--max-sessions-per-key")

@@ -29,13 +29,13 @@ from typing import Any
 import torch
 
 from hcache import omp
-from hcache.benchmarks import report
+from hcache.benchmarks import measures, report
 from hcache.config import EngineConfig, StorageConfig
 from hcache.engine.engine import Engine
 from hcache.engine.records import TurnStats
 from hcache.engine.sampler import SamplingParams
 from hcache.engine.sequence import Sequence
-from hcache.model.loader import default_model_path, load
+from hcache.model.loader import default_model_path, load, read_config
 from hcache.restore import profiler
 from hcache.restore.plan import Method
 from hcache.restore.projection import serve_compiled_only, warm_up
@@ -45,7 +45,7 @@ from hcache.storage.store import ChunkStore
 TURN = 32
 
 
-def _llama(n_ctx: int, threads: int) -> Any:
+def _llama(n_ctx: int, threads: int, logits_all: bool = False) -> Any:
     import llama_cpp
 
     base = llama_cpp.llama_model_default_params
@@ -63,6 +63,7 @@ def _llama(n_ctx: int, threads: int) -> Any:
             n_batch=512,
             n_threads=threads,
             n_threads_batch=threads,
+            logits_all=logits_all,
             verbose=False,
         )
     finally:
@@ -198,7 +199,11 @@ def transformers_rows(doc: list[int], contexts: list[int], max_tokens: int) -> l
     return rows
 
 
-def hcache_rows(args: argparse.Namespace, doc: list[int], turn: list[int]) -> tuple[list[dict], dict[str, float]]:
+def hcache_rows(
+    args: argparse.Namespace, doc: list[int], turn: list[int]
+) -> tuple[list[dict], dict[str, float], dict[str, float] | None]:
+    """The restore rows, decode in the serving default, and decode with `--decode tuned`
+    (on packed weights only: elsewhere it is the default's graph)."""
     omp.isolate_main()  # the engine's loop computes (see hcache/omp.py)
     lm = omp.on_worker(lambda: load("default", args.dtype, weights=args.weights))
     dirs = ensure_dirs(args.dirs) if args.dirs else [Path(tempfile.mkdtemp(prefix="hcache-peers-"))]
@@ -242,7 +247,29 @@ def hcache_rows(args: argparse.Namespace, doc: list[int], turn: list[int]) -> tu
     finally:
         engine.close()
         store.close()
-    return rows, decode
+    # the two-stage saver off: sessions that store nothing
+    off = _decode_variant(lm, prof, dirs, doc, [1], args, store_kinds="none")
+    decode["tbt_b1_saver_off_ms"] = off["tbt_b1_ms"]
+    tuned = None
+    if args.weights != "float":
+        tuned = _decode_variant(lm, prof, dirs, doc, args.batches, args, store_kinds="both", decode="tuned")
+    return rows, decode, tuned
+
+
+def _decode_variant(
+    lm: Any, prof: Any, dirs: list[Path], doc: list[int], batches: list[int], args: argparse.Namespace, **cfg: Any
+) -> dict[str, float]:
+    """Decode on a fresh engine (and store) configured by `cfg`."""
+    store = ChunkStore(StorageConfig([tempfile.mkdtemp(dir=d) for d in dirs]), lm.model.cfg, lm.model.dtype)
+    engine = Engine(lm.model, lm.tokenizer, store, prof, EngineConfig(kv_budget_bytes=4 << 30, **cfg))
+    try:
+        out = _hcache_decode(engine, doc, batches, args.decode_prompt, args.decode_steps)
+        if engine.runner.graph is not None:
+            out["frozen_mb"] = engine.runner.graph.frozen_bytes / 1e6
+        return out
+    finally:
+        engine.close()
+        store.close()
 
 
 def _memory(model: torch.nn.Module) -> dict[str, float]:
@@ -318,9 +345,11 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(data, indent=2))
 
     if "hcache" not in args.skip:
-        rows, dec = hcache_rows(args, doc, turn)
+        rows, dec, tuned = hcache_rows(args, doc, turn)
         data["rows"] += rows
         data["decode"]["hcache"] = dec
+        if tuned is not None:
+            data["decode"]["hcache --decode tuned"] = tuned
         save()
     if "llama.cpp" not in args.skip:
         data["rows"] += llama_cpp_rows(doc, turn, args.contexts, scratch, args.threads)
@@ -329,6 +358,13 @@ def main(argv: list[str] | None = None) -> int:
         save()
     if "transformers" not in args.skip:
         data["rows"] += omp.on_worker(lambda: transformers_rows(doc, args.contexts, args.transformers_max))
+    if "llama.cpp" not in args.skip:
+        data["quality"] = measures.perplexities(args.dtype, lambda n: _llama(n, args.threads, logits_all=True))
+    cfg = read_config()
+    data["attention"] = measures.attention_rates(
+        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, [c for c in args.contexts if c > TURN], TURN
+    )
+    save()
 
     def table() -> None:
         for r in data["rows"]:

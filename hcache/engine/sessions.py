@@ -31,11 +31,11 @@ def new_id(prefix: str = "") -> str:
 def layer_kinds_for(policy: str, model: DecoderModel, profile: Profile, plan_tokens: int) -> list[Stored]:
     """What every new owner stores per layer."""
     n = model.cfg.num_layers
-    fixed = {"kv": {Kind.KV}, "hidden": {Kind.HIDDEN}, "both": {Kind.HIDDEN, Kind.KV}}
+    fixed = {"kv": {Kind.KV}, "hidden": {Kind.HIDDEN}, "both": {Kind.HIDDEN, Kind.KV}, "none": set()}
     if policy in fixed:
         return [frozenset(fixed[policy])] * n
     if policy != "auto":
-        raise ValueError(f"store_kinds must be auto, kv, hidden or both, not {policy!r}")
+        raise ValueError(f"store_kinds must be auto, kv, hidden, both or none, not {policy!r}")
     geom = Geometry.of(model.cfg, torch.finfo(model.dtype).bits // 8)
     plan = partition(geom, profile, plan_tokens).plan
     return [frozenset({k}) if k else frozenset() for k in storage_kinds(plan)]

@@ -146,6 +146,14 @@ class _Bound(nn.Module):
         return self.fn(self.model, *args)
 
 
+class _Frozen(_Bound):
+    """The same, under code of its own: dynamo keys its graphs by code object, and a frozen
+    graph and a plain one of the same model would otherwise pass each other's guards."""
+
+    def forward(self, *args: Any) -> Any:
+        return self.fn(self.model, *args)
+
+
 def packed_on_cpu(model: DecoderModel) -> bool:
     return model.device.type == "cpu" and any(isinstance(m, (Int4Linear, Int8Rows)) for m in model.modules())
 
@@ -173,9 +181,8 @@ class DecodeGraph:
         # multiple of the template's block (a tiny model's 160-wide MLP came out wrong)
         tune = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "epilogue_fusion": False}
         self._one = torch.compile(_step_one, dynamic=True, fullgraph=True)
-        self._batch = torch.compile(
-            _Bound(_step_batch, model), dynamic=True, fullgraph=True, options=tune if self.tuned else None
-        )
+        bound = _Frozen(_step_batch, model) if self.tuned else _Bound(_step_batch, model)
+        self._batch = torch.compile(bound, dynamic=True, fullgraph=True, options=tune if self.tuned else None)
         self.frozen_bytes = 0  # the tuned graph's own copies of the weights, known after `warm`
 
     def __call__(
@@ -218,12 +225,15 @@ class DecodeGraph:
         """Compile both graphs now, on rows of one free pool block (written and left as
         garbage: a free block holds nothing). Returns the seconds it took."""
         t0 = time.perf_counter()
+        gc.collect()  # what earlier objects leave behind must not be freed between the counts
         before = _tensor_bytes()
-        for n in (2, 3):  # two values of each size, so that none is compiled as a constant
-            self([0], [n], [n], [[free_block]], k, v)
-        for n in (TUNE_BATCH, TUNE_BATCH + 1):
-            # sizes that differ from each other, so none is assumed equal to another
-            self([0] * n, [n] * n, [n] * n, [[free_block] * (n + 2)] * n, k, v)
+        # compile even where serving already refuses to (`serve_compiled_only`: a later engine)
+        with torch.compiler.set_stance("default"):
+            for n in (2, 3):  # two values of each size, so that none is compiled as a constant
+                self([0], [n], [n], [[free_block]], k, v)
+            for n in (TUNE_BATCH, TUNE_BATCH + 1):
+                # sizes that differ from each other, so none is assumed equal to another
+                self([0] * n, [n] * n, [n] * n, [[free_block] * (n + 2)] * n, k, v)
         self.frozen_bytes = max(0, _tensor_bytes() - before)
         took = time.perf_counter() - t0
         log.info("decode step compiled in %.1f s", took)

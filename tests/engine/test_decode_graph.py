@@ -26,7 +26,10 @@ def tiny(request, tiny_folder):
 
 def _graphs() -> int:
     """Graphs compiled so far for the decode step (dynamo's cache entries of its functions)."""
-    return sum(len(_debug_get_cache_entry_list(f.__code__)) for f in (decode._step_one, decode._Bound.forward))
+    return sum(
+        len(_debug_get_cache_entry_list(f.__code__))
+        for f in (decode._step_one, decode._Bound.forward, decode._Frozen.forward)
+    )
 
 
 def test_compiled_decode_matches_the_eager_reference(tiny, tmp_path):

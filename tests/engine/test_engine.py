@@ -67,6 +67,30 @@ def test_batched_decode_of_different_lengths_matches_singles(tiny, tmp_path):
         store.close()
 
 
+def test_sessions_that_store_nothing_continue_exactly_by_recompute(tmp_path, tiny_folder):
+    """`store_kinds="none"` turns the saver off: no chunk is written, and an evicted session
+    comes back by recomputing every layer, exactly."""
+    tiny = tload(tiny_folder("llama_gqa"))
+    eng, store = make_engine(tiny, word_tokenizer(tiny.cfg.vocab_size), [tmp_path / "s"], store_kinds="none")
+    try:
+        rng = random.Random(4)
+        p = SamplingParams(max_new_tokens=6)
+        s = eng.create_session()
+        first = rand_ids(rng, 90)
+        got, _ = turn(eng, s.id, token_ids=first, params=p)
+        history = first + got
+        assert not any(store.layer_kinds(store.owner_row(s.id)))
+        eng.evict(s.id)
+        r = eng.restore(s.id)
+        assert r.plan.recompute == tiny.cfg.num_layers and r.bytes_read == 0
+        new = rand_ids(rng, 12)
+        got, _ = turn(eng, s.id, token_ids=new, params=p)
+        assert got == reference(tiny, history + new, p, set())
+    finally:
+        eng.close()
+        store.close()
+
+
 def test_lru_eviction_under_small_budget_is_transparent(tiny, tmp_path):
     tok = word_tokenizer(tiny.cfg.vocab_size)
     block = 2 * tiny.cfg.num_layers * 64 * tiny.cfg.kv_dim * 4
