@@ -220,11 +220,8 @@ class EngineConfig:
     max_batch: int = setting(32, "sequences per decode step")
     decode: str = setting(
         os.environ.get("HCACHE_DECODE", "compiled"),
-        "compiled: the decode step is one torch.compile graph (compiled at start, about a minute); tuned: "
-        "compiled, and on packed low-bit CPU weights the batch step is frozen and autotuned onto inductor's "
-        "GEMM templates (AMX where present): faster large batches, but a second copy of the weights, a longer "
-        "compile, and outputs within bfloat16 rounding of the eager forward's, not bit-identical; eager: op by op",
-        choices=("tuned", "compiled", "eager"),
+        "compiled: the decode step is one torch.compile graph (compiled at start, about a minute); eager: op by op",
+        choices=("compiled", "eager"),
     )
     piece_tokens: int = setting(512, "prefill runs in pieces of this many tokens")
     prefill_slice_ms: float = setting(25.0, "restore/prefill time per engine step while others decode")

@@ -199,11 +199,7 @@ def transformers_rows(doc: list[int], contexts: list[int], max_tokens: int) -> l
     return rows
 
 
-def hcache_rows(
-    args: argparse.Namespace, doc: list[int], turn: list[int]
-) -> tuple[list[dict], dict[str, float], dict[str, float] | None]:
-    """The restore rows, decode in the serving default, and decode with `--decode tuned`
-    (on packed weights only: elsewhere it is the default's graph)."""
+def hcache_rows(args: argparse.Namespace, doc: list[int], turn: list[int]) -> tuple[list[dict], dict[str, float]]:
     omp.isolate_main()  # the engine's loop computes (see hcache/omp.py)
     lm = omp.on_worker(lambda: load("default", args.dtype, weights=args.weights))
     dirs = ensure_dirs(args.dirs) if args.dirs else [Path(tempfile.mkdtemp(prefix="hcache-peers-"))]
@@ -242,18 +238,14 @@ def hcache_rows(
             engine.delete(s.id)
             rows.append(row)
             print(f"hcache {n}: {row}", flush=True)
-        decode = _hcache_decode(engine, doc, args.batches, args.decode_prompt, args.decode_steps)
-        decode |= _memory(lm.model)
     finally:
         engine.close()
         store.close()
-    # the two-stage saver off: sessions that store nothing
-    off = _decode_variant(lm, prof, dirs, doc, [1], args, store_kinds="none")
-    decode["tbt_b1_saver_off_ms"] = off["tbt_b1_ms"]
-    tuned = None
-    if args.weights != "float":
-        tuned = _decode_variant(lm, prof, dirs, doc, args.batches, args, store_kinds="both", decode="tuned")
-    return rows, decode, tuned
+    # decode on engines as served: what sessions store is the planner's choice (the restore
+    # rows above store both kinds, to have every path), or nothing with the saver off
+    decode = _decode_variant(lm, prof, dirs, doc, args.batches, args) | _memory(lm.model)
+    decode["tbt_b1_saver_off_ms"] = _decode_variant(lm, prof, dirs, doc, [1], args, store_kinds="none")["tbt_b1_ms"]
+    return rows, decode
 
 
 def _decode_variant(
@@ -261,12 +253,9 @@ def _decode_variant(
 ) -> dict[str, float]:
     """Decode on a fresh engine (and store) configured by `cfg`."""
     store = ChunkStore(StorageConfig([tempfile.mkdtemp(dir=d) for d in dirs]), lm.model.cfg, lm.model.dtype)
-    engine = Engine(lm.model, lm.tokenizer, store, prof, EngineConfig(kv_budget_bytes=4 << 30, **cfg))
+    engine = Engine(lm.model, lm.tokenizer, store, prof, EngineConfig(kv_budget_bytes=1 << 30, **cfg))
     try:
-        out = _hcache_decode(engine, doc, batches, args.decode_prompt, args.decode_steps)
-        if engine.runner.graph is not None:
-            out["frozen_mb"] = engine.runner.graph.frozen_bytes / 1e6
-        return out
+        return _hcache_decode(engine, doc, batches, args.decode_prompt, args.decode_steps)
     finally:
         engine.close()
         store.close()
@@ -345,11 +334,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(data, indent=2))
 
     if "hcache" not in args.skip:
-        rows, dec, tuned = hcache_rows(args, doc, turn)
+        rows, dec = hcache_rows(args, doc, turn)
         data["rows"] += rows
         data["decode"]["hcache"] = dec
-        if tuned is not None:
-            data["decode"]["hcache --decode tuned"] = tuned
         save()
     if "llama.cpp" not in args.skip:
         data["rows"] += llama_cpp_rows(doc, turn, args.contexts, scratch, args.threads)

@@ -120,13 +120,6 @@ def _targets(peers: dict) -> list[str]:
         if a.get("weights_mb"):
             r = a["weights_mb"] / a["gguf_mb"]
             add("resident weights <= 1.3x the GGUF file", r, r <= 1.3)
-        t = dec.get("hcache --decode tuned")
-        if t:
-            r = t.get(f"tokens_per_s_b{big}", 0) / max(1e-9, b.get(f"tokens_per_s_b{big}", 0))
-            add(f"`--decode tuned`: batch-{big} throughput >= 2x llama.cpp's", r, r >= 2)
-            if a.get("weights_mb"):
-                r = (a["weights_mb"] + t.get("frozen_mb", 0)) / a["gguf_mb"]
-                add("`--decode tuned`: resident weights <= 1.3x the GGUF file", r, r <= 1.3)
     return out
 
 
@@ -258,12 +251,6 @@ def render(results: Path, bench_dir: Path) -> str:
                 f"hcache batch-1 TBT with the two-stage saver on (every layer's hidden states and KV saved) "
                 f"{_fmt(dec['hcache']['tbt_b1_ms'], 2)} ms, off (`--store-kinds none`) {_fmt(a_saver, 2)} ms: "
                 f"{(dec['hcache']['tbt_b1_ms'] / a_saver - 1):+.1%}.",
-            ]
-        if tuned := dec.get("hcache --decode tuned"):
-            lines += [
-                "",
-                f"`hcache --decode tuned` is the same engine with its batch step frozen and autotuned onto inductor's "
-                f"GEMM templates, which keep a {_fmt(tuned.get('frozen_mb'), 1)} MB copy of the weights of their own.",
             ]
         lines += ["", *_targets(peers), "", *_quality(peers), *_attention(peers)]
         for name in _plots(peers, bench_dir):

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 class Runner:
     def __init__(self, model: DecoderModel, store: ChunkStore, cfg: EngineConfig):
         self.model, self.store, self.cfg = model, store, cfg
-        self.graph = DecodeGraph(model, tuned=cfg.decode == "tuned") if cfg.decode != "eager" else None
+        self.graph = DecodeGraph(model) if cfg.decode == "compiled" else None
         # recent decode steps: (whole step, the compiled graph's call) in ms; the difference
         # is the host's Python work around it (tables, staging, sampling)
         self.step_ms: deque[tuple[float, float]] = deque(maxlen=512)
@@ -109,15 +109,16 @@ class Runner:
             caches.append(q.session.cache)
         positions = [q.position for q in batch]
         staged = self.store.acquire([(q.session.id, q.position - q.session.base, 1) for q in batch])
+        new_kv = None
         if self.graph is not None:
             t1 = time.perf_counter()
-            logits = self._graph_step(batch, caches, positions, staged.hidden)
+            logits, new_kv = self._graph_step(batch, caches, positions, staged.hidden)
             graph_ms = (time.perf_counter() - t1) * 1e3
         else:
             tokens = torch.tensor([q.generated[-1] for q in batch], device=m.device)
             h = m(tokens, torch.tensor(positions, device=m.device), BatchCache(caches, [1] * len(batch)), staged.hidden)
             logits = m.logits(h)
-        finish_decode(self.store, staged, caches, positions)
+        finish_decode(self.store, staged, caches, positions, new_kv)
         out = []
         for i, q in enumerate(batch):
             q.session.tokens.append(q.generated[-1])
@@ -128,7 +129,8 @@ class Runner:
 
     def _graph_step(
         self, batch: list[Sequence], caches: list[PagedCache], positions: list[int], hidden: dict[int, torch.Tensor]
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits `[B, vocab]` and the new K/V `[L, B, 2, kv_dim]`."""
         assert self.graph is not None
         for c in caches:
             c.reserve(1)
@@ -141,4 +143,4 @@ class Runner:
             c.length += 1
         for layer, dst in hidden.items():
             dst.copy_(out.hidden[layer])
-        return out.logits
+        return out.logits, out.kv

@@ -83,10 +83,20 @@ def stage_fetched(store: ChunkStore, owner: str, rows: Fetched, on_packed: Calla
     store.stage_rows(owner, rows.start, rows.hidden, rows.kv, on_packed)
 
 
-def finish_decode(store: ChunkStore, batch: StagedBatch, caches: list[PagedCache], positions: list[int]) -> None:
+def finish_decode(
+    store: ChunkStore,
+    batch: StagedBatch,
+    caches: list[PagedCache],
+    positions: list[int],
+    new_kv: torch.Tensor | None = None,
+) -> None:
     """A decode step's ring entry (from `store.acquire`, one row per sequence) after the
-    forward wrote its hidden states: gather each row's new K/V next to them and submit."""
-    if batch.kv:
+    forward wrote its hidden states: each row's new K/V next to them (`new_kv` `[L, B, 2,
+    kv_dim]` when the step returned them, else gathered from the pool), then submit."""
+    if batch.kv and new_kv is not None:
+        for layer, dst in batch.kv.items():
+            dst.copy_(new_kv[layer])
+    elif batch.kv:
         pool_rows = torch.cat([c.rows(p, 1) for c, p in zip(caches, positions, strict=True)])
         for layer, dst in batch.kv.items():
             k, v = _kv_rows(caches[0], layer, pool_rows)

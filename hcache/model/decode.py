@@ -10,32 +10,19 @@ their Python dispatch; compiled, inductor fuses the elementwise chains around th
 matmul kernels and the step pays one guard check.
 
 Shapes are dynamic: one graph serves a single sequence and one every larger batch, at
-any context length, so a request never waits for a compile once `warm` ran.
-
-`tuned`, on packed low-bit weights (CPU), freezes and autotunes the batch graph: inductor's C++
-GEMM templates (AMX tiles where the CPU has them) replace torch's int4/int8 weight-only
-kernels, which compute a row at a time. The templates keep their own packed copy of each
-weight (see `frozen_bytes`) and float32 outputs where torch's kernels round theirs to
-bfloat16, so the step is not bit-identical to the eager forward (its K/V differ within
-that rounding), which is why it is not the default. The single-sequence graph keeps
-torch's kernels, the faster ones for one row."""
+any context length, so a request never waits for a compile once `warm` ran."""
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from hcache.model.base import DecoderModel
-from hcache.model.quant import Int4Linear, Int8Rows
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +33,7 @@ BLOCK_TOKENS = 64  # tokens per block of the engine's pool (engine/block_pool.py
 class StepOut:
     logits: torch.Tensor  # [B, vocab] float32
     hidden: torch.Tensor  # [L, B, hidden]: each layer's input (what the H store keeps)
+    kv: torch.Tensor  # [L, B, 2, kv_dim]: each layer's new K then V as the pool holds them (the KV store's rows)
 
 
 class _Paged:
@@ -62,6 +50,7 @@ class _Paged:
         mask: torch.Tensor | None,
     ):
         self.k, self.v, self.rows, self.keys, self.mask = k, v, rows, keys, mask
+        self.new: list[torch.Tensor] = []  # per layer, the rows written: [B, 2, kv_dim]
 
     def begin(self, n: int, start: int | None = None) -> None:
         pass
@@ -75,6 +64,7 @@ class _Paged:
         pk, pv = self.k[layer], self.v[layer]
         pk.index_copy_(0, self.rows, k.to(pk.dtype))
         pv.index_copy_(0, self.rows, v.to(pv.dtype))
+        self.new.append(torch.stack((k.to(pk.dtype), v.to(pv.dtype)), 1).flatten(2))
         b, kvh, d = q.shape[0], k.shape[1], k.shape[2]
         keys, values = self.keys(pk).transpose(1, 2), self.keys(pv).transpose(1, 2)
         out = F.scaled_dot_product_attention(q.view(b, kvh, -1, d), keys, values, attn_mask=self.mask, scale=scale)
@@ -83,14 +73,14 @@ class _Paged:
 
 def _forward(
     model: DecoderModel, tokens: torch.Tensor, positions: torch.Tensor, cache: _Paged
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     h = model.embed(tokens, positions)
     pos = model.pos_context(positions)
     hidden = []
     for i, layer in enumerate(model.layers):
         hidden.append(h)
         h = layer(h, pos, cache, i)
-    return model.lm_head(model.head_norm(h)).float(), torch.stack(hidden)
+    return model.lm_head(model.head_norm(h)).float(), torch.stack(hidden), torch.stack(cache.new)
 
 
 def _step_one(
@@ -101,7 +91,7 @@ def _step_one(
     v: list[torch.Tensor],
     end: int,
     width: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One sequence whose `width` rows (its new token's last) end before pool row `end`:
     attention reads them where they lie."""
     start = end - width
@@ -120,7 +110,7 @@ def _step_batch(
     k: list[torch.Tensor],
     v: list[torch.Tensor],
     width: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sequences of `lengths` `[B]` rows before this token, their blocks a row of `table`
     `[B, blocks]` (padded with any valid block); `width`: the longest with its new token.
     Each layer gathers every sequence's rows, padded to `width`, the padding masked."""
@@ -134,41 +124,12 @@ def _step_batch(
     return _forward(model, tokens, positions, cache)
 
 
-class _Bound(nn.Module):
-    """`fn(model, ...)` as a module holding the model, so that freezing sees its weights as
-    the graph's parameters (a model passed as an argument is an input)."""
-
-    def __init__(self, fn: Callable[..., Any], model: DecoderModel):
-        super().__init__()
-        self.fn, self.model = fn, model
-
-    def forward(self, *args: Any) -> Any:
-        return self.fn(self.model, *args)
-
-
-class _Frozen(_Bound):
-    """The same, under code of its own: dynamo keys its graphs by code object, and a frozen
-    graph and a plain one of the same model would otherwise pass each other's guards."""
-
-    def forward(self, *args: Any) -> Any:
-        return self.fn(self.model, *args)
-
-
-def packed_on_cpu(model: DecoderModel) -> bool:
-    return model.device.type == "cpu" and any(isinstance(m, (Int4Linear, Int8Rows)) for m in model.modules())
-
-
-# the batch size the batch graph is compiled at first: autotuning picks each GEMM's kernel
-# at this size, and the step's cost is in large batches
-TUNE_BATCH = 16
-
-
 class DecodeGraph:
     """The decode step of one model, compiled: one graph for a single sequence whose
     blocks are one run, one for every other batch (a lone fragmented sequence runs as a
     batch of two copies of itself: both write the same K/V to the same rows)."""
 
-    def __init__(self, model: DecoderModel, tuned: bool = False):
+    def __init__(self, model: DecoderModel):
         import torch._dynamo.config
         import torch._inductor.config
 
@@ -176,14 +137,8 @@ class DecodeGraph:
         # a graph per model (the model is a guarded input): several models in one process
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.model = model
-        self.tuned = tuned and packed_on_cpu(model)
-        # epilogue fusion off: fused into the int4 template it broke outputs whose width is no
-        # multiple of the template's block (a tiny model's 160-wide MLP came out wrong)
-        tune = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "epilogue_fusion": False}
         self._one = torch.compile(_step_one, dynamic=True, fullgraph=True)
-        bound = _Frozen(_step_batch, model) if self.tuned else _Bound(_step_batch, model)
-        self._batch = torch.compile(bound, dynamic=True, fullgraph=True, options=tune if self.tuned else None)
-        self.frozen_bytes = 0  # the tuned graph's own copies of the weights, known after `warm`
+        self._batch = torch.compile(_step_batch, dynamic=True, fullgraph=True)
 
     def __call__(
         self,
@@ -202,52 +157,34 @@ class DecodeGraph:
             if n == 1 and blocks[0][-1] - blocks[0][0] == len(blocks[0]) - 1:
                 end = blocks[0][0] * BLOCK_TOKENS + lengths[0] + 1
                 t, pos = torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev)
-                logits, hidden = self._one(self.model, t, pos, k, v, end, lengths[0] + 1)
-                return StepOut(logits, hidden)
+                logits, hidden, kv = self._one(self.model, t, pos, k, v, end, lengths[0] + 1)
+                return StepOut(logits, hidden, kv)
             if n == 1:
                 tokens, positions, lengths, blocks = tokens * 2, positions * 2, lengths * 2, blocks * 2
             cols = max(2, *(len(b) for b in blocks))  # never 1: that size would get a graph of its own
             table = torch.tensor([b + b[-1:] * (cols - len(b)) for b in blocks], device=dev)
-            # freezing is read outside the options `torch.compile` patches in
-            with torch._inductor.config.patch(freezing=True) if self.tuned else contextlib.nullcontext():
-                logits, hidden = self._batch(
-                    torch.tensor(tokens, device=dev),
-                    torch.tensor(positions, device=dev),
-                    torch.tensor(lengths, device=dev),
-                    table,
-                    k,
-                    v,
-                    max(lengths) + 1,
-                )
-        return StepOut(logits[:n], hidden[:, :n])
+            logits, hidden, kv = self._batch(
+                self.model,
+                torch.tensor(tokens, device=dev),
+                torch.tensor(positions, device=dev),
+                torch.tensor(lengths, device=dev),
+                table,
+                k,
+                v,
+                max(lengths) + 1,
+            )
+        return StepOut(logits[:n], hidden[:, :n], kv[:, :n])
 
     def warm(self, k: list[torch.Tensor], v: list[torch.Tensor], free_block: int) -> float:
         """Compile both graphs now, on rows of one free pool block (written and left as
         garbage: a free block holds nothing). Returns the seconds it took."""
         t0 = time.perf_counter()
-        gc.collect()  # what earlier objects leave behind must not be freed between the counts
-        before = _tensor_bytes()
         # compile even where serving already refuses to (`serve_compiled_only`: a later engine)
         with torch.compiler.set_stance("default"):
             for n in (2, 3):  # two values of each size, so that none is compiled as a constant
                 self([0], [n], [n], [[free_block]], k, v)
-            for n in (TUNE_BATCH, TUNE_BATCH + 1):
                 # sizes that differ from each other, so none is assumed equal to another
                 self([0] * n, [n] * n, [n] * n, [[free_block] * (n + 2)] * n, k, v)
-        self.frozen_bytes = max(0, _tensor_bytes() - before)
         took = time.perf_counter() - t0
         log.info("decode step compiled in %.1f s", took)
         return took
-
-
-def _tensor_bytes() -> int:
-    """Bytes of every live CPU tensor storage (each once): what compiling left behind is
-    the difference across it."""
-    seen: dict[int, int] = {}
-    for o in gc.get_objects():
-        # dead weak proxies, fake and opaque tensors raise
-        with contextlib.suppress(ReferenceError, RuntimeError, NotImplementedError):
-            if type(o) in (torch.Tensor, nn.Parameter) and o.device.type == "cpu" and o.layout == torch.strided:
-                st = o.untyped_storage()
-                seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())

@@ -4,6 +4,7 @@ layer's chunks spread over every device."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import Enum
 
@@ -52,8 +53,13 @@ def encode_layer_kinds(kinds: list[StoredSpec]) -> str:
 
 
 def decode_layer_kinds(code: str) -> list[Stored]:
+    return list(_decoded(code))
+
+
+@functools.cache
+def _decoded(code: str) -> tuple[Stored, ...]:  # a store's owners share a few codes
     back = {v: k for k, v in LAYER_CODES.items()}
-    return [back[c] for c in code]
+    return tuple(back[c] for c in code)
 
 
 def align_up(n: int, a: int = ALIGN) -> int:

@@ -132,6 +132,15 @@ class Manifest:
             r = self.db.execute("SELECT * FROM owners WHERE owner=?", (owner,)).fetchone()
         return _owner(r) if r else None
 
+    def owner_layer_kinds(self, owner: str) -> str:
+        """The owner's layer-kinds code alone (what every decode step stages by), without
+        reading its token list."""
+        with self.lock:
+            r = self.db.execute("SELECT layer_kinds FROM owners WHERE owner=?", (owner,)).fetchone()
+        if r is None:
+            raise UnknownOwner(f"unknown owner {owner}")
+        return r[0]
+
     def owner(self, owner: str) -> OwnerRow:
         row = self.get_owner(owner)
         if row is None:

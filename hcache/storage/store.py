@@ -156,8 +156,8 @@ class ChunkStore:
         """Stage 1: ring room for a batch whose rows are, in order, `(owner, start_token, n)`.
         Fill `batch.hidden[layer]` / `batch.kv[layer]` (one copy per layer), then `submit`."""
         need: dict[int, set[Kind]] = defaultdict(set)
-        for owner, *_ in segments:
-            for layer, ks in enumerate(self.layer_kinds(self.owner_row(owner))):
+        for owner in {owner for owner, *_ in segments}:
+            for layer, ks in enumerate(decode_layer_kinds(self.manifest.owner_layer_kinds(owner))):
                 need[layer] |= ks
         total = sum(n for *_, n in segments)
         batch = self.ring.acquire(total, dict(need))
