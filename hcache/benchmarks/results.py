@@ -248,7 +248,7 @@ def render(results: Path, bench_dir: Path) -> str:
         if a_saver := dec.get("hcache", {}).get("tbt_b1_saver_off_ms"):
             lines += [
                 "",
-                f"hcache batch-1 TBT with the two-stage saver on (every layer's hidden states and KV saved) "
+                f"hcache batch-1 TBT with the two-stage saver on (sessions store what the planner chose) "
                 f"{_fmt(dec['hcache']['tbt_b1_ms'], 2)} ms, off (`--store-kinds none`) {_fmt(a_saver, 2)} ms: "
                 f"{(dec['hcache']['tbt_b1_ms'] / a_saver - 1):+.1%}.",
             ]
