@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+import numpy as np
 import torch
 
 from hcache.storage.layout import ChunkShape, Kind
@@ -21,10 +22,12 @@ T = TypeVar("T")
 
 @dataclass
 class ChunkBuf:
-    """A chunk being filled: `t` is the chunk-shaped tensor over the aligned slot memory `mem`."""
+    """A chunk being filled: `t` is the chunk-shaped tensor over the aligned slot memory `mem`,
+    `rows` the same bytes a token row each (what the packer copies into, with numpy)."""
 
     mem: memoryview
     t: torch.Tensor
+    rows: np.ndarray
 
 
 class ChunkBuffers(Generic[T]):
@@ -66,7 +69,8 @@ def chunk_pools(shapes: dict[Kind, ChunkShape]) -> ChunkPools:
 def _chunk_view(shape: ChunkShape) -> Callable[[memoryview], ChunkBuf]:
     def wrap(mem: memoryview) -> ChunkBuf:
         t = torch.frombuffer(mem, dtype=torch.uint8)[: shape.nbytes].view(shape.dtype).view(shape.shape)
-        return ChunkBuf(mem, t)
+        rows = np.frombuffer(mem, dtype=np.uint8, count=shape.nbytes).reshape(shape.shape[0], -1)
+        return ChunkBuf(mem, t, rows)
 
     return wrap
 

@@ -16,6 +16,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from hcache import omp
 from hcache.storage.buffers import ChunkBuf, ChunkPools
 from hcache.storage.errors import StorageError, StorageFull, write_error
@@ -138,6 +141,17 @@ class Packer(threading.Thread):
         st.loaded = True
 
     def _pack(self, batch: StagedBatch) -> None:
+        # each staged layer's bytes a row per token, made once per batch: a decode step's batch
+        # is a row per sequence, and per-copy tensor-to-numpy views cost more than the copies
+        srcs: dict[tuple[int, Kind], np.ndarray] = {}
+
+        def src_rows(layer: int, kind: Kind) -> np.ndarray:
+            a = srcs.get((layer, kind))
+            if a is None:
+                t = (batch.hidden if kind == Kind.HIDDEN else batch.kv)[layer]
+                a = srcs[(layer, kind)] = t.view(torch.uint8).numpy().reshape(t.shape[0], -1)
+            return a
+
         for seg in batch.segments:
             st = self._owner(seg.owner)
             if seg.start != st.next_token:
@@ -152,8 +166,7 @@ class Packer(threading.Thread):
                     buf = st.chunks.get((layer, kind))
                     if buf is None or off == 0:
                         buf = st.chunks[(layer, kind)] = self.chunks[kind].take()
-                    src = (batch.hidden if kind == Kind.HIDDEN else batch.kv)[layer][rows]
-                    omp.copy_serial(buf.t[off : off + take], src)
+                    buf.rows[off : off + take] = src_rows(layer, kind)[rows]
                     if off + take == CHUNK_TOKENS:
                         self._emit(seg.owner, st, layer, idx, kind, buf, CHUNK_TOKENS)
                         del st.chunks[(layer, kind)]
