@@ -4,8 +4,6 @@ attention over a long context against this CPU's matmul peak."""
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,18 +16,9 @@ from hcache.model.attention import causal_attention
 from hcache.model.loader import load
 from hcache.model.quality import perplexity
 from hcache.model.quant import WEIGHT_MODES
+from hcache.restore.profiler import median_ms
 
 TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "perplexity.txt"
-
-
-def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def perplexities(dtype: str, llama: Callable[[int], Any]) -> dict[str, Any]:
@@ -65,12 +54,12 @@ def attention_rates(heads: int, kv_heads: int, head_dim: int, contexts: list[int
         g = torch.Generator().manual_seed(0)
         for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
             a, b = (torch.randn(2048, 2048, generator=g).to(dt) for _ in range(2))
-            ms = _median_ms(lambda a=a, b=b: torch.mm(a, b), 10)
+            ms = median_ms(lambda a=a, b=b: torch.mm(a, b), 10)
             out[f"mm_gflops_{name}"] = 2 * 2048**3 / ms / 1e6
             for s in contexts:
                 q = torch.randn(turn, heads, head_dim, generator=g).to(dt)
                 k, v = (torch.randn(s, kv_heads, head_dim, generator=g).to(dt) for _ in range(2))
-                ms = _median_ms(lambda q=q, k=k, v=v: causal_attention(q, k, v), 20)
+                ms = median_ms(lambda q=q, k=k, v=v: causal_attention(q, k, v), 20)
                 out[f"attn_ms_{name}_{s}"] = ms
                 out[f"attn_gflops_{name}_{s}"] = 4 * turn * s * heads * head_dim / ms / 1e6
         return out

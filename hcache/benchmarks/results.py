@@ -245,12 +245,12 @@ def render(results: Path, bench_dir: Path) -> str:
                     f"per batch-1 step; resident weights {a['weights_mb']:.1f} MB for a {a['gguf_mb']:.1f} MB GGUF; "
                     f"peak RSS before llama.cpp loaded {a['peak_rss_mb']:.0f} MB.",
                 ]
-        if a_saver := dec.get("hcache", {}).get("tbt_b1_saver_off_ms"):
+        if saver_off := dec.get("hcache", {}).get("tbt_b1_saver_off_ms"):
             lines += [
                 "",
                 f"hcache batch-1 TBT with the two-stage saver on (sessions store what the planner chose) "
-                f"{_fmt(dec['hcache']['tbt_b1_ms'], 2)} ms, off (`--store-kinds none`) {_fmt(a_saver, 2)} ms: "
-                f"{(dec['hcache']['tbt_b1_ms'] / a_saver - 1):+.1%}.",
+                f"{_fmt(dec['hcache']['tbt_b1_ms'], 2)} ms, off (`--store-kinds none`) {_fmt(saver_off, 2)} ms: "
+                f"{(dec['hcache']['tbt_b1_ms'] / saver_off - 1):+.1%}.",
             ]
         lines += ["", *_targets(peers), "", *_quality(peers), *_attention(peers)]
         for name in _plots(peers, bench_dir):

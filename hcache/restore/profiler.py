@@ -54,7 +54,7 @@ def profile_path(cache_dir: Path, model: DecoderModel) -> Path:
     return cache_dir / f"{model.fingerprint()[:16]}-{dtype}-{device_name(model.device)}-v{PROFILE_VERSION}.json"
 
 
-def _median_ms(fn: Callable[[], object], repeats: int = 5) -> float:
+def median_ms(fn: Callable[[], object], repeats: int = 5) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -115,13 +115,13 @@ def _io(model: DecoderModel, dirs: list[Path], tokens: int, compute: tuple[int, 
             return r.bytes_read
 
         nbytes = read_all()
-        secs = _median_ms(read_all) / 1e3
+        secs = median_ms(read_all) / 1e3
         # and a quarter as much: a restore's reads cost a fixed part (planning, the first
         # request's latency, the ramp of request sizes) plus bytes over the rate
         rate, fixed = nbytes / secs / 1e9, 0.0
         short = tokens // 4 // CHUNK_TOKENS * CHUNK_TOKENS
         if short:
-            short_bytes, short_ms = read_all(short), _median_ms(lambda: read_all(short))
+            short_bytes, short_ms = read_all(short), median_ms(lambda: read_all(short))
             fixed, ms_per_gb = affine({short_bytes / 1e6: short_ms, nbytes / 1e6: secs * 1e3})
             rate = 1000 / ms_per_gb if ms_per_gb > 0 else rate
         cpu = []
@@ -131,7 +131,7 @@ def _io(model: DecoderModel, dirs: list[Path], tokens: int, compute: tuple[int, 
             after = resource.getrusage(resource.RUSAGE_SELF)
             used = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
             cpu.append(used * 1e3 / (nbytes / 1e6))
-        latency = max(fixed, _median_ms(lambda: st.read_chunk("profile", 0, 0, Kind.HIDDEN)))
+        latency = max(fixed, median_ms(lambda: st.read_chunk("profile", 0, 0, Kind.HIDDEN)))
         res = IOResult(rate, latency, statistics.median(cpu))
         elem = torch.finfo(model.dtype).bits // 8
         # one cache for every restore, as the engine's block pool is: a fresh one per restore
@@ -263,7 +263,7 @@ def run(
                 cache.truncate(0)
                 model(ids, torch.arange(len(ids), device=dev), cache, num_layers=depth)
 
-            re_points[ctx] = _median_ms(some_layers, repeats=3) / depth
+            re_points[ctx] = median_ms(some_layers, repeats=3) / depth
             bar.advance(task)
     prof = Profile(
         name=device_name(dev),
