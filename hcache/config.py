@@ -232,6 +232,11 @@ class EngineConfig:
         "what is stored per layer (auto: the planner's choice; none: nothing, sessions restore by recompute)",
         choices=("auto", "kv", "hidden", "both", "none"),
     )
+    kv_dtype: str = setting(
+        "model",
+        "the resident KV's dtype (model: the activations'; bfloat16: half the bytes of float32, attended in bfloat16)",
+        choices=("model", "bfloat16"),
+    )
     plan_tokens: int = setting(4096, "the session length the storage choice is planned for")
     max_sessions_per_tenant: int = setting(0, "sessions per API key (0: no limit)", flag="--max-sessions-per-key")
     max_storage_bytes_per_tenant: int = setting(

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
 from hcache.config import EngineConfig, StorageConfig
+from hcache.engine.block_pool import resident_kv_dtype
 from hcache.engine.cluster import ClusterLink
 from hcache.engine.engine import Engine
 from hcache.engine.generate import generate
@@ -44,16 +45,19 @@ def make_engine(
 ) -> tuple[Engine, ChunkStore]:
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
+    kv_dtype = resident_kv_dtype(str(cfg.get("kv_dtype", "model")), model.dtype)
     store = ChunkStore(
-        StorageConfig([str(d) for d in dirs], **(storage or {})), model.cfg, model.dtype, str(model.device)
+        StorageConfig([str(d) for d in dirs], **(storage or {})), model.cfg, model.dtype, str(model.device), kv_dtype
     )
     ecfg = EngineConfig(**{"store_kinds": "both", "kv_budget_bytes": 64 << 20, **cfg})  # type: ignore[arg-type]
     return Engine(model, tok, store, profile_for(model), ecfg, cluster=cluster), store
 
 
-def reference(model: DecoderModel, ids: list[int], params: SamplingParams, stop_ids: set[int]) -> list[int]:
+def reference(
+    model: DecoderModel, ids: list[int], params: SamplingParams, stop_ids: set[int], kv_dtype: torch.dtype | None = None
+) -> list[int]:
     """Never-evicted single-sequence generation over the whole history `ids`."""
-    cache = KVCache(model.cfg, model.dtype, model.device)
+    cache = KVCache(model.cfg, kv_dtype or model.dtype, model.device)
     return list(generate(model, cache, ids, params, stop_ids))
 
 

@@ -31,6 +31,7 @@ import torch
 from hcache import omp
 from hcache.benchmarks import measures, report
 from hcache.config import EngineConfig, StorageConfig
+from hcache.engine.block_pool import resident_kv_dtype
 from hcache.engine.engine import Engine
 from hcache.engine.records import TurnStats
 from hcache.engine.sampler import SamplingParams
@@ -206,8 +207,10 @@ def hcache_rows(args: argparse.Namespace, doc: list[int], turn: list[int]) -> tu
     roots = [Path(tempfile.mkdtemp(dir=d)) for d in dirs]
     omp.on_worker(lambda: warm_up(lm.model))  # as `hcache serve` starts: no restore pays for compiling
     prof = omp.on_worker(lambda: profiler.load_or_run(lm.model, dirs, Path(args.profile_dir)))
-    store = ChunkStore(StorageConfig([str(r) for r in roots]), lm.model.cfg, lm.model.dtype)
-    engine = Engine(lm.model, lm.tokenizer, store, prof, EngineConfig(kv_budget_bytes=4 << 30, store_kinds="both"))
+    kv_dtype = resident_kv_dtype(args.kv_dtype, lm.model.dtype)
+    store = ChunkStore(StorageConfig([str(r) for r in roots]), lm.model.cfg, lm.model.dtype, kv_dtype=kv_dtype)
+    cfg = EngineConfig(kv_budget_bytes=4 << 30, store_kinds="both", kv_dtype=args.kv_dtype)
+    engine = Engine(lm.model, lm.tokenizer, store, prof, cfg)
     serve_compiled_only()
     rows: list[dict] = []
     one = SamplingParams(max_new_tokens=1, ignore_eos=True)
@@ -252,8 +255,10 @@ def _decode_variant(
     lm: Any, prof: Any, dirs: list[Path], doc: list[int], batches: list[int], args: argparse.Namespace, **cfg: Any
 ) -> dict[str, float]:
     """Decode on a fresh engine (and store) configured by `cfg`."""
-    store = ChunkStore(StorageConfig([tempfile.mkdtemp(dir=d) for d in dirs]), lm.model.cfg, lm.model.dtype)
-    engine = Engine(lm.model, lm.tokenizer, store, prof, EngineConfig(kv_budget_bytes=1 << 30, **cfg))
+    roots = [tempfile.mkdtemp(dir=d) for d in dirs]
+    kv_dtype = resident_kv_dtype(args.kv_dtype, lm.model.dtype)
+    store = ChunkStore(StorageConfig(roots), lm.model.cfg, lm.model.dtype, kv_dtype=kv_dtype)
+    engine = Engine(lm.model, lm.tokenizer, store, prof, EngineConfig(1 << 30, kv_dtype=args.kv_dtype, **cfg))
     try:
         return _hcache_decode(engine, doc, batches, args.decode_prompt, args.decode_steps)
     finally:
@@ -306,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8000])
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--weights", default="float", choices=["float", "int4"], help="hcache's weight mode")
+    ap.add_argument("--kv-dtype", default="model", choices=["model", "bfloat16"], help="hcache's resident KV")
     ap.add_argument("--dirs", nargs="+", help="storage directories (default: a temp dir)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])

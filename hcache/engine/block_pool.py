@@ -17,6 +17,11 @@ from hcache.model.attention import causal_attention
 from hcache.model.decode import BLOCK_TOKENS
 
 
+def resident_kv_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype:
+    """`EngineConfig.kv_dtype` as a dtype: "model" is the activations'."""
+    return model_dtype if choice == "model" else getattr(torch, choice)
+
+
 class OutOfBlocks(Exception):
     """The pool has fewer free blocks than asked for."""
 
@@ -92,6 +97,10 @@ class PagedCache:
     @property
     def capacity(self) -> int:
         return len(self.blocks) * BLOCK_TOKENS
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pool.dtype
 
     @property
     def contiguous(self) -> bool:
@@ -243,5 +252,7 @@ class _DecodeStep:
         keys = pk.index_select(0, self.gather).view(b, self.width, kvh, d).transpose(1, 2)
         values = pv.index_select(0, self.gather).view(b, self.width, kvh, d).transpose(1, 2)
         # a KV head's query heads as that head's query rows: K/V are not repeated per head
-        out = F.scaled_dot_product_attention(q.view(b, kvh, -1, d), keys, values, attn_mask=self.mask, scale=scale)
-        return out.reshape(b, -1)
+        # in the pool's dtype (a bfloat16 pool under float32 activations: q is cast, not K/V)
+        qg = q.to(pk.dtype).view(b, kvh, -1, d)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.mask, scale=scale)
+        return out.reshape(b, -1).to(q.dtype)

@@ -19,7 +19,7 @@ import torch
 from hcache import omp
 from hcache.config import EngineConfig
 from hcache.engine import checks
-from hcache.engine.block_pool import BlockPool
+from hcache.engine.block_pool import BlockPool, resident_kv_dtype
 from hcache.engine.cluster import ClusterLink
 from hcache.engine.cluster_chunks import ClusterChunks
 from hcache.engine.cluster_turns import ClusterTurns
@@ -47,6 +47,7 @@ from hcache.model.tokenizer import Tokenizer
 from hcache.restore.plan import Method
 from hcache.restore.profile import Profile
 from hcache.storage.errors import StorageError
+from hcache.storage.layout import CHUNK_TOKENS
 from hcache.storage.store import ChunkStore
 
 log = logging.getLogger(__name__)
@@ -74,14 +75,17 @@ class Engine(ClusterTurns):
         self.telemetry = telemetry or Telemetry()
         if self.cfg.restore_method != "auto":
             Method(self.cfg.restore_method)  # fail at start, not at the first restore
-        per_block = BlockPool.bytes_per_block(model.cfg, model.dtype)
-        self.pool = BlockPool(model.cfg, model.dtype, model.device, max(1, self.cfg.kv_budget_bytes // per_block))
-        kinds = layer_kinds_for(self.cfg.store_kinds, model, profile, self.cfg.plan_tokens)
+        kv_dtype = resident_kv_dtype(self.cfg.kv_dtype, model.dtype)
+        if store.kv_dtype != kv_dtype:  # KV restores place the stored bits as they are
+            raise ValueError(f"the store keeps KV in {store.kv_dtype}, the engine's KV is {kv_dtype}")
+        per_block = BlockPool.bytes_per_block(model.cfg, kv_dtype)
+        self.pool = BlockPool(model.cfg, kv_dtype, model.device, max(1, self.cfg.kv_budget_bytes // per_block))
+        kinds = layer_kinds_for(self.cfg.store_kinds, model, profile, self.cfg.plan_tokens, store.kv_dtype)
         # read buffers for the longest session the KV budget can hold (any restore keeps that
         # many pooled after it), so that no restore pays for fresh memory
         mc = model.cfg
         longest = max(self.cfg.plan_tokens, min(mc.max_position, self.pool.num_blocks * BLOCK_TOKENS))
-        store.buffers.warm(longest * max(mc.hidden_size, 2 * mc.kv_dim), mc.num_layers)
+        store.buffers.warm(longest * max(s.nbytes for s in store.shapes.values()) // CHUNK_TOKENS, mc.num_layers)
         self.registry = Registry(store, model, kinds)
         self.lock = threading.RLock()
         self.counters = Counters()
@@ -392,7 +396,7 @@ class Engine(ClusterTurns):
     def snapshot(self) -> EngineSnapshot:
         """The state GetStats, /metrics and the dashboard show, read at once."""
         storage = StorageState.of(self.store)  # disk usage, read outside the engine's lock
-        per_block = BlockPool.bytes_per_block(self.model.cfg, self.model.dtype)
+        per_block = BlockPool.bytes_per_block(self.model.cfg, self.pool.dtype)
         with self.lock:
             owners = list(self.registry.sessions.values())
             sessions = [s for s in owners if s.kind == "session"]

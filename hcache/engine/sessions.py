@@ -28,17 +28,26 @@ def new_id(prefix: str = "") -> str:
     return prefix + secrets.token_hex(16)  # 128 random bits
 
 
-def layer_kinds_for(policy: str, model: DecoderModel, profile: Profile, plan_tokens: int) -> list[Stored]:
-    """What every new owner stores per layer."""
+def layer_kinds_for(
+    policy: str, model: DecoderModel, profile: Profile, plan_tokens: int, kv_dtype: torch.dtype | None = None
+) -> list[Stored]:
+    """What every new owner stores per layer (KV stored in `kv_dtype`, default the model's)."""
     n = model.cfg.num_layers
     fixed = {"kv": {Kind.KV}, "hidden": {Kind.HIDDEN}, "both": {Kind.HIDDEN, Kind.KV}, "none": set()}
     if policy in fixed:
         return [frozenset(fixed[policy])] * n
     if policy != "auto":
         raise ValueError(f"store_kinds must be auto, kv, hidden, both or none, not {policy!r}")
-    geom = Geometry.of(model.cfg, torch.finfo(model.dtype).bits // 8)
+    geom = Geometry.of(model.cfg, model.dtype.itemsize, (kv_dtype or model.dtype).itemsize)
     plan = partition(geom, profile, plan_tokens).plan
     return [frozenset({k}) if k else frozenset() for k in storage_kinds(plan)]
+
+
+def stored_fingerprint(model: DecoderModel, store: ChunkStore) -> str:
+    """The model's fingerprint, and the stored KV's dtype where it is not the model's: KV
+    chunks of another dtype have another size, and their bits another rounding."""
+    fp = model.fingerprint()
+    return fp if store.kv_dtype == model.dtype else f"{fp}+kv-{str(store.kv_dtype).removeprefix('torch.')}"
 
 
 class Registry:
@@ -46,7 +55,7 @@ class Registry:
 
     def __init__(self, store: ChunkStore, model: DecoderModel, kinds: list[Stored]):
         self.store, self.model, self.kinds = store, model, kinds
-        self.fingerprint = model.fingerprint()
+        self.fingerprint = stored_fingerprint(model, store)
         self.sessions: dict[str, Session] = {}
         self._load()
 
@@ -57,8 +66,10 @@ class Registry:
             parent = meta.parent
             prefix_tokens = rows[parent].tokens if parent in rows else []
             s = Session.from_meta(r.owner, r.kind, meta, prefix_tokens + r.tokens, r.created, r.updated)
-            if r.fingerprint != self.fingerprint:
+            if r.fingerprint.partition("+")[0] != self.fingerprint.partition("+")[0]:
                 s.error = f"{r.kind} {r.owner} was saved by another model; it cannot be continued with this one"
+            elif r.fingerprint != self.fingerprint:
+                s.error = f"{r.kind} {r.owner} was stored with another --kv-dtype; serve it with the one it used"
             elif parent is not None and parent not in rows:
                 s.error = f"session {r.owner} lost its context {parent}"
             self.sessions[r.owner] = s
@@ -75,8 +86,8 @@ class Registry:
         return s
 
     def bytes_per_token(self) -> int:
-        cfg, elem = self.model.cfg, torch.finfo(self.model.dtype).bits // 8
-        return sum((Kind.HIDDEN in k) * cfg.hidden_size + (Kind.KV in k) * 2 * cfg.kv_dim for k in self.kinds) * elem
+        row = {kind: s.nbytes // CHUNK_TOKENS for kind, s in self.store.shapes.items()}
+        return sum(row[kind] for k in self.kinds for kind in k)
 
     def create(
         self,
@@ -254,6 +265,6 @@ class Registry:
             return Plan.uniform(L, method), None
         if fetched is not None and all(stored):
             return Plan(tuple(Method.KV if Kind.KV in ks else Method.HIDDEN for ks in stored)), None
-        geom = Geometry.of(self.model.cfg, torch.finfo(self.model.dtype).bits // 8)
+        geom = Geometry.of(self.model.cfg, self.model.dtype.itemsize, self.store.kv_dtype.itemsize)
         res: PlannedRestore = partition_stored(geom, profile, n, stored, cap_gbps)
         return res.plan, res.makespan_ms

@@ -84,7 +84,11 @@ class KVCache:
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """The last `T` of `S` positions attend causally: query i sees keys 0..S-T+i.
-    q `[T, H, D]`, k/v `[S, KvH, D]` (views of a cache's rows: never copied); returns `[T, H*D]`."""
+    q `[T, H, D]`, k/v `[S, KvH, D]` (views of a cache's rows: never copied); returns `[T, H*D]`.
+    K/V kept in a narrower dtype than q's (a bfloat16 cache under float32 activations) are
+    attended in theirs: q is cast to it, not the cache."""
+    if q.dtype != k.dtype:
+        return causal_attention(q.to(k.dtype), k, v, scale).to(q.dtype)
     t, s = q.shape[0], k.shape[0]
     if q.device.type == "cpu":
         return _causal_cpu(q, k, v, s - t, scale)

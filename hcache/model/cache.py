@@ -33,6 +33,7 @@ class KVRows(Cache, Protocol):
     """One sequence's cache, as the restore executor fills it."""
 
     length: int  # tokens committed in every layer
+    dtype: torch.dtype  # of the K/V rows held (may be narrower than the activations')
 
     def reserve(self, n: int) -> None:
         """Room for `n` tokens past `length`."""

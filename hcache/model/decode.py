@@ -67,8 +67,10 @@ class _Paged:
         self.new.append(torch.stack((k.to(pk.dtype), v.to(pv.dtype)), 1).flatten(2))
         b, kvh, d = q.shape[0], k.shape[1], k.shape[2]
         keys, values = self.keys(pk).transpose(1, 2), self.keys(pv).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.view(b, kvh, -1, d), keys, values, attn_mask=self.mask, scale=scale)
-        return out.reshape(b, -1)
+        # in the pool's dtype (a bfloat16 pool under float32 activations: q is cast, not K/V)
+        qg = q.to(pk.dtype).view(b, kvh, -1, d)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.mask, scale=scale)
+        return out.reshape(b, -1).to(q.dtype)
 
 
 def _forward(

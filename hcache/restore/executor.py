@@ -122,11 +122,11 @@ class RestoreJob:
         n = len(self.tokens)
         if split is not None and not 0 <= split <= n:
             raise ValueError(f"split {split} outside 0..{n}")
-        elem = torch.finfo(model.dtype).bits // 8
+        elem, kv_elem = model.dtype.itemsize, cache.dtype.itemsize  # stored KV is the cache's dtype
         if split is None:
-            nbytes = plan.bytes_to_read(cfg, n, elem)
+            nbytes = plan.bytes_to_read(cfg, n, elem, kv_elem)
         else:
-            nbytes = cfg.num_layers * (split * cfg.hidden_size + (n - split) * 2 * cfg.kv_dim) * elem
+            nbytes = cfg.num_layers * (split * cfg.hidden_size * elem + (n - split) * 2 * cfg.kv_dim * kv_elem)
         self.report = RestoreReport(plan, n, nbytes, predicted_ms=predicted_ms, split=split)
         self._spent = dict.fromkeys(Method, 0.0)
         self._wait = 0.0

@@ -138,7 +138,7 @@ def partition(
             best = ((sim[2], 0), order, sim)
     plan = Plan(best[1])
     io_ms, compute_ms, makespan = best[2]
-    nbytes = plan.bytes_to_read_geom(geom.hidden, geom.kv_dim, n_tokens, geom.elem_bytes)
+    nbytes = plan.bytes_to_read_geom(geom.hidden, geom.kv_dim, n_tokens, geom.elem_bytes, geom.kv_elem)
     return PlannedRestore(plan, n_tokens, io_ms, compute_ms, makespan, nbytes)
 
 
@@ -198,7 +198,7 @@ def partition_stored(
             best = (key, order, sim)
     assert best is not None
     plan = Plan(tuple(best[1]))
-    nbytes = plan.bytes_to_read_geom(geom.hidden, geom.kv_dim, n_tokens, geom.elem_bytes)
+    nbytes = plan.bytes_to_read_geom(geom.hidden, geom.kv_dim, n_tokens, geom.elem_bytes, geom.kv_elem)
     return PlannedRestore(plan, n_tokens, *best[2], nbytes)
 
 

@@ -84,14 +84,17 @@ class Plan:
     def counts(self) -> dict[str, int]:
         return {m.value: len(self.layers(m)) for m in Method}
 
-    def bytes_to_read(self, cfg: ModelConfig, n_tokens: int, elem_bytes: int) -> int:
+    def bytes_to_read(self, cfg: ModelConfig, n_tokens: int, elem_bytes: int, kv_elem_bytes: int = 0) -> int:
         """What a store must read to run this plan: H rows, K and V rows, and token ids for recompute."""
-        return self.bytes_to_read_geom(cfg.hidden_size, cfg.kv_dim, n_tokens, elem_bytes)
+        return self.bytes_to_read_geom(cfg.hidden_size, cfg.kv_dim, n_tokens, elem_bytes, kv_elem_bytes)
 
-    def bytes_to_read_geom(self, hidden: int, kv_dim: int, n_tokens: int, elem_bytes: int) -> int:
+    def bytes_to_read_geom(
+        self, hidden: int, kv_dim: int, n_tokens: int, elem_bytes: int, kv_elem_bytes: int = 0
+    ) -> int:
+        """H rows of `elem_bytes` elements, KV rows of `kv_elem_bytes` ones (0: the same)."""
         per_layer = {
             Method.HIDDEN: n_tokens * hidden * elem_bytes,
-            Method.KV: n_tokens * 2 * kv_dim * elem_bytes,
+            Method.KV: n_tokens * 2 * kv_dim * (kv_elem_bytes or elem_bytes),
             Method.RECOMPUTE: 0,
         }
         total = sum(per_layer[m] for m in self.methods)

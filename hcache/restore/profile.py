@@ -23,19 +23,25 @@ class Geometry:
     kv_dim: int
     q_dim: int
     ffn: int
-    elem_bytes: int
+    elem_bytes: int  # of stored H (the activations' dtype)
     mlp_mats: int = 3  # gate, up and down (Llama); OPT's MLP has two
+    kv_elem_bytes: int = 0  # of stored KV (the resident KV's dtype); 0: elem_bytes
 
     @classmethod
-    def of(cls, cfg: ModelConfig, elem_bytes: int) -> Geometry:
+    def of(cls, cfg: ModelConfig, elem_bytes: int, kv_elem_bytes: int = 0) -> Geometry:
         mats = 2 if cfg.arch == ARCH_OPT else 3
-        return cls(cfg.num_layers, cfg.hidden_size, cfg.kv_dim, cfg.q_dim, cfg.intermediate_size, elem_bytes, mats)
+        c = cfg
+        return cls(c.num_layers, c.hidden_size, c.kv_dim, c.q_dim, c.intermediate_size, elem_bytes, mats, kv_elem_bytes)
+
+    @property
+    def kv_elem(self) -> int:
+        return self.kv_elem_bytes or self.elem_bytes
 
     def h_bytes(self, n: int) -> int:
         return n * self.hidden * self.elem_bytes
 
     def kv_bytes(self, n: int) -> int:
-        return n * 2 * self.kv_dim * self.elem_bytes
+        return n * 2 * self.kv_dim * self.kv_elem
 
     def h_flops(self, n: int) -> float:
         """K and V projections from hidden states (norm and RoPE are small change)."""

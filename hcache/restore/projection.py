@@ -26,7 +26,8 @@ class Projector:
         m, n = self.model, hidden.shape[0]
         if n != self._n:
             self._n, self._pos = n, m.pos_context(torch.arange(n, device=m.device))
-        out = cache.dest(layer, 0, n)
+        # into a narrower cache: projected in the model's dtype, rounded as it is written
+        out = cache.dest(layer, 0, n) if cache.dtype == m.dtype else None
         with torch.inference_mode():
             k, v = m.layers[layer].kv_from_hidden(hidden.to(m.device, m.dtype), self._pos, out)
         if out is None:

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from hcache import omp
 from hcache.config import Config
+from hcache.engine.block_pool import resident_kv_dtype
 from hcache.engine.cluster import ClusterLink
 from hcache.engine.engine import Engine
 from hcache.engine.telemetry import Telemetry
@@ -87,7 +88,8 @@ def build_engine(
         profile = profiler.load_or_run(loaded.model, dirs, Path(cfg.profile_dir))
     link = cluster_link(cfg)  # before the store: an unreachable cluster fails the start at once
     try:
-        store = ChunkStore(cfg.storage, loaded.model.cfg, loaded.model.dtype, cfg.device)
+        dt = loaded.model.dtype
+        store = ChunkStore(cfg.storage, loaded.model.cfg, dt, cfg.device, resident_kv_dtype(cfg.engine.kv_dtype, dt))
     except BaseException:
         if link is not None:
             link.close()

@@ -81,21 +81,21 @@ class LayerBuffers:
     Fresh memory is slow to touch (page faults, and huge-page compaction), so `warm` fills
     the pool at start-up, and a buffer made inside a restore takes huge pages only after it."""
 
-    def __init__(self, dtype: torch.dtype, pinned: bool, prefetch_bytes: int, prefetch_layers: int, stats: StoreStats):
-        self.dtype, self.pinned, self.stats = dtype, pinned, stats
+    def __init__(self, pinned: bool, prefetch_bytes: int, prefetch_layers: int, stats: StoreStats):
+        self.pinned, self.stats = pinned, stats
         self.prefetch_bytes, self.prefetch_layers = prefetch_bytes, prefetch_layers
         self.free: list[torch.Tensor] = []  # least recently returned first
         self._pooled_bytes = 0
+        self._lent: dict[int, torch.Tensor] = {}  # storage address -> the flat buffer a view was taken of
         self.lock = threading.Lock()
 
-    def warm(self, layer_numel: int, num_layers: int) -> None:
+    def warm(self, layer_bytes: int, num_layers: int) -> None:
         """Pool what one restore's read-ahead holds for any length up to layers of
-        `layer_numel` elements, made and touched now. A restore holds the layer window, or
+        `layer_bytes`, made and touched now. A restore holds the layer window, or
         more layers while they hold less than `prefetch_bytes` (more and smaller ones for a
         shorter context), and two more: the k-th buffer is as large as any length needs k."""
-        per_byte = self.prefetch_bytes // self.dtype.itemsize
         sizes = [
-            layer_numel if k <= self.prefetch_layers + 2 else min(layer_numel, per_byte // (k - 2))
+            layer_bytes if k <= self.prefetch_layers + 2 else min(layer_bytes, self.prefetch_bytes // (k - 2))
             for k in range(1, max(num_layers, self.prefetch_layers) + 3)
         ]
         bufs = [self._fresh(n, huge=True) for n in sizes if n > 0]
@@ -104,10 +104,10 @@ class LayerBuffers:
         for b in bufs:
             self.give(b)
 
-    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """The smallest free buffer that is large enough, whatever it last held; new ones are
-        rounded up to whole huge pages."""
-        n = max(1, math.prod(shape))
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The smallest free buffer that is large enough, whatever it last held, as `shape` of
+        `dtype`; new ones are rounded up to whole huge pages."""
+        n = max(1, math.prod(shape)) * dtype.itemsize
         with self.lock:
             sizes = [f.numel() for f in self.free]
             best = min((i for i, k in enumerate(sizes) if k >= n), key=sizes.__getitem__, default=None)
@@ -118,15 +118,17 @@ class LayerBuffers:
                 self.stats.count_buffer_allocated()
         if flat is None:
             flat = self._fresh(n, huge=False)
-        return flat[:n].view(shape)
+        with self.lock:
+            self._lent[flat.untyped_storage().data_ptr()] = flat
+        return flat[:n].view(dtype).view(shape)
 
     def _fresh(self, n: int, huge: bool) -> torch.Tensor:
-        item = self.dtype.itemsize
-        size = -(-n * item // HUGE_PAGE) * HUGE_PAGE // item
+        """`n` bytes (rounded up to whole huge pages) as a flat uint8 tensor."""
+        size = -(-n // HUGE_PAGE) * HUGE_PAGE
         if self.pinned:  # on CUDA: the restorer's host-to-device copies then run async
-            return torch.empty(size, dtype=self.dtype, pin_memory=True)  # page-aligned (cudaHostAlloc) too
-        mem = aligned_buffer(size * item, huge=huge)
-        flat = torch.frombuffer(mem, dtype=self.dtype, count=size)
+            return torch.empty(size, dtype=torch.uint8, pin_memory=True)  # page-aligned (cudaHostAlloc) too
+        mem = aligned_buffer(size, huge=huge)
+        flat = torch.frombuffer(mem, dtype=torch.uint8, count=size)
         if not huge:
             flat.small_pages = mem  # marked for huge pages when it comes back
         return flat
@@ -135,7 +137,8 @@ class LayerBuffers:
         """Keep what two restores' read-ahead holds (the layer window or `prefetch_bytes`, and a
         little more), so the next restore allocates nothing; over that, the least recently
         returned go."""
-        flat = t._base if t._base is not None else t
+        with self.lock:
+            flat = self._lent.pop(t.untyped_storage().data_ptr(), t)
         mem = flat.__dict__.pop("small_pages", None)
         if mem is not None:
             hugepage_later(mem)

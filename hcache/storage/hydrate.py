@@ -110,13 +110,13 @@ def fetch(
     out.tokens = end - start
     out.pool = pool or FetchBuffers(keep=0, headroom=0)
     shapes = {(la, k): (out.tokens, *store.shapes[k].shape[1:]) for la, k in streams}
-    item = store.dtype.itemsize
-    out.bytes = sum(math.prod(sh) * item for sh in shapes.values())
+    dt = {k: s.dtype for k, s in store.shapes.items()}
+    out.bytes = sum(math.prod(sh) * dt[k].itemsize for (_, k), sh in shapes.items())
     out.memory = out.pool.take(out.bytes)
     off = 0
     for (layer, kind), sh in shapes.items():
-        size = math.prod(sh) * item
-        (out.hidden if kind == Kind.HIDDEN else out.kv)[layer] = out.memory[off : off + size].view(store.dtype).view(sh)
+        size = math.prod(sh) * dt[kind].itemsize
+        (out.hidden if kind == Kind.HIDDEN else out.kv)[layer] = out.memory[off : off + size].view(dt[kind]).view(sh)
         off += size
     layers = sorted({la for la, _ in streams})
     out.progress = Progress({la: threading.Event() for la in layers})
@@ -214,7 +214,7 @@ class _LayerFetch:
                     self.tier.drop([chunk_key(self.owner, layer, kind, i)])
                     return
                 hi = min(i * CHUNK_TOKENS + rows, out.start + out.tokens)
-                src = _rows(body, self.store.dtype, shape.shape[1:])
+                src = _rows(body, shape.dtype, shape.shape[1:])
                 dst[lo - out.start : hi - out.start].copy_(src[lo - i * CHUNK_TOKENS : hi - i * CHUNK_TOKENS])
 
 

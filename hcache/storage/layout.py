@@ -111,10 +111,11 @@ def parse_slab(name: str) -> tuple[Kind, int, int]:
     return Kind(kind), int(nbytes), align_up(int(nbytes))
 
 
-def chunk_shapes(cfg: ModelConfig, dtype: torch.dtype) -> dict[Kind, ChunkShape]:
+def chunk_shapes(cfg: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> dict[Kind, ChunkShape]:
+    """H chunks in the activations' dtype; KV chunks in the resident KV's (default: the same)."""
     return {
         Kind.HIDDEN: ChunkShape(Kind.HIDDEN, cfg.hidden_size, dtype),
-        Kind.KV: ChunkShape(Kind.KV, cfg.kv_dim, dtype),
+        Kind.KV: ChunkShape(Kind.KV, cfg.kv_dim, kv_dtype or dtype),
     }
 
 

@@ -219,7 +219,7 @@ class OwnerReader:
     def _take(self, slot: LayerSlot) -> None:
         """Give the slot its layer buffer (under the lock)."""
         if slot.out is None:
-            slot.out = self.buffers.take(slot.shape)
+            slot.out = self.buffers.take(slot.shape, self.shapes[slot.want.kind].dtype)
 
     def _place_run(
         self, q: Request, slot_bytes: int, whole: torch.Tensor, run: list[ChunkRow], shape: ChunkShape

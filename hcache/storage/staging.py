@@ -39,12 +39,20 @@ class StagedBatch:
 
 
 class StagingRing:
-    def __init__(self, capacity_bytes: int, hidden_size: int, kv_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        capacity_bytes: int,
+        hidden_size: int,
+        kv_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_dtype: torch.dtype | None = None,
+    ):
         pin = device.type == "cuda" and torch.cuda.is_available()
         self.buf = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pin)
         self.capacity = capacity_bytes
-        self.hidden_size, self.kv_dim, self.dtype = hidden_size, kv_dim, dtype
-        self.elem = torch.finfo(dtype).bits // 8
+        self.hidden_size, self.kv_dim = hidden_size, kv_dim
+        self.dtypes = {Kind.HIDDEN: dtype, Kind.KV: kv_dtype or dtype}
         self.cond = threading.Condition()
         self.entries: deque[list] = deque()  # [offset, end, released], oldest first
         self.head = 0  # next free byte
@@ -59,7 +67,10 @@ class StagingRing:
     def acquire(self, num_rows: int, layers: dict[int, Kind | set[Kind]]) -> StagedBatch:
         """Room for `num_rows` rows of each (layer, kind) asked for; blocks while the ring is full."""
         kinds = {layer: ({k} if isinstance(k, Kind) else set(k)) for layer, k in layers.items()}
-        row_bytes = {Kind.HIDDEN: self.hidden_size * self.elem, Kind.KV: 2 * self.kv_dim * self.elem}
+        row_bytes = {
+            Kind.HIDDEN: self.hidden_size * self.dtypes[Kind.HIDDEN].itemsize,
+            Kind.KV: 2 * self.kv_dim * self.dtypes[Kind.KV].itemsize,
+        }
         sizes = [(layer, k, num_rows * row_bytes[k]) for layer in sorted(kinds) for k in sorted(kinds[layer])]
         nbytes = sum(_align(s) for *_, s in sizes)
         if nbytes > self.capacity:
@@ -79,7 +90,7 @@ class StagingRing:
         batch = StagedBatch(start, nbytes, num_rows, {}, {})
         off = start
         for layer, k, size in sizes:
-            raw = self.buf[off : off + size].view(self.dtype)
+            raw = self.buf[off : off + size].view(self.dtypes[k])
             if k == Kind.HIDDEN:
                 batch.hidden[layer] = raw.view(num_rows, self.hidden_size)
             else:

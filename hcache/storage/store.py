@@ -62,10 +62,20 @@ class DirUsage:
 
 
 class ChunkStore:
-    def __init__(self, cfg: StorageConfig, model: ModelConfig, dtype: torch.dtype, device: str = "cpu"):
+    def __init__(
+        self,
+        cfg: StorageConfig,
+        model: ModelConfig,
+        dtype: torch.dtype,
+        device: str = "cpu",
+        kv_dtype: torch.dtype | None = None,
+    ):
+        """H is stored in `dtype` (the activations'), KV in `kv_dtype` (the resident KV's;
+        default `dtype`)."""
         if not cfg.dirs:
             raise ValueError("at least one storage directory is needed")
         self.cfg, self.model, self.dtype = cfg, model, dtype
+        self.kv_dtype = kv_dtype or dtype
         self.dirs = [Path(d).resolve() for d in cfg.dirs]
         for d in self.dirs:
             if not d.is_dir():
@@ -81,16 +91,18 @@ class ChunkStore:
         except BaseException:
             os.close(self._lock_fd)
             raise
-        self.shapes: dict[Kind, ChunkShape] = chunk_shapes(model, dtype)
+        self.shapes: dict[Kind, ChunkShape] = chunk_shapes(model, dtype, self.kv_dtype)
         self.lock = threading.Lock()  # creating and deleting owners
         self.stats = StoreStats(read_bytes_by_dir=[0] * len(self.dirs))
         self.placement = Placement(self.dirs, self.manifest, self.shapes, cfg, self.stats)
         self.placement.quota_bytes = self._dir_quota()
         self.chunk_buffers = chunk_pools(self.shapes)
         pinned = torch.device(device).type == "cuda" and torch.cuda.is_available()
-        self.buffers = LayerBuffers(dtype, pinned, cfg.prefetch_bytes, cfg.prefetch_layers, self.stats)
+        self.buffers = LayerBuffers(pinned, cfg.prefetch_bytes, cfg.prefetch_layers, self.stats)
         self.throttle = TokenBucket(cfg.read_cap_gbps * 1e9)
-        self.ring = StagingRing(cfg.staging_bytes, model.hidden_size, model.kv_dim, dtype, torch.device(device))
+        self.ring = StagingRing(
+            cfg.staging_bytes, model.hidden_size, model.kv_dim, dtype, torch.device(device), self.kv_dtype
+        )
         self.writers = [
             DirWriter(i, path, self.placement, self.shapes, self.chunk_buffers, cfg.fsync_group_bytes)
             for i, path in enumerate(self.dirs)
@@ -174,8 +186,8 @@ class ChunkStore:
     def save_rows(self, owner: str, start: int, hidden: dict[int, torch.Tensor], kv: dict[int, torch.Tensor]) -> None:
         """Convenience for one owner: stage rows given per layer (H `[n, hidden]`, KV `[n, 2, kv_dim]`)."""
         n = next(iter(hidden.values() or kv.values())).shape[0]
-        elem = torch.finfo(self.dtype).bits // 8
-        row_bytes = elem * (len(hidden) * self.model.hidden_size + len(kv) * 2 * self.model.kv_dim)
+        row_bytes = len(hidden) * self.shapes[Kind.HIDDEN].nbytes + len(kv) * self.shapes[Kind.KV].nbytes
+        row_bytes //= CHUNK_TOKENS
         step = max(1, self.ring.capacity // (2 * max(1, row_bytes)))  # pieces the ring can hold
         for lo in range(0, n, step):
             hi = min(n, lo + step)

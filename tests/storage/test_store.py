@@ -513,13 +513,13 @@ def test_one_buffer_pool_serves_layers_of_every_size(dirs) -> None:
     a pool per power-of-two size, a KV-only restore after an H-only one faulted in fresh
     buffers for every layer. Over the budget, the least recently returned buffers go."""
     with open_store(dirs[:1], prefetch_bytes=1, prefetch_layers=0) as st:
-        big = st.buffers.take((3 << 20,))  # a KV layer, say
+        big = st.buffers.take((3 << 20,), torch.float32)  # a KV layer, say
         st.buffers.give(big)
-        small = st.buffers.take((1 << 20, 1))  # an H layer a third the size: no fresh buffer
+        small = st.buffers.take((1 << 20, 1), torch.float32)  # an H layer a third the size: no fresh buffer
         assert st.stats.read_buffers_allocated == 1 and small.data_ptr() == big.data_ptr()
         st.buffers.give(small)
         # the budget keeps two restores' read-ahead, here 2 * (0 + 2) of the largest buffer
-        more = [st.buffers.take((3 << 20,)) for _ in range(6)]
+        more = [st.buffers.take((3 << 20,), torch.float32) for _ in range(6)]
         assert st.stats.read_buffers_allocated == 6
         for t in more:
             st.buffers.give(t)
@@ -530,13 +530,17 @@ def test_one_buffer_pool_serves_layers_of_every_size(dirs) -> None:
 def test_layer_buffers_reuse_the_smallest_that_fits() -> None:
     """Of the free buffers large enough, the smallest serves: a larger one stays for a larger layer."""
     stats = StoreStats()
-    pool = LayerBuffers(torch.float32, False, prefetch_bytes=1 << 30, prefetch_layers=4, stats=stats)
-    big, small, middle = pool.take((3 << 20,)), pool.take((1 << 20,)), pool.take((2 << 20,))
+    pool = LayerBuffers(False, prefetch_bytes=1 << 30, prefetch_layers=4, stats=stats)
+    big, small, middle = (
+        pool.take((3 << 20,), torch.float32),
+        pool.take((1 << 20,), torch.float32),
+        pool.take((2 << 20,), torch.float32),
+    )
     for t in (big, small, middle):
         pool.give(t)
-    assert pool.take((1 << 19, 2)).data_ptr() == small.data_ptr()
-    assert pool.take(((1 << 20) + 1,)).data_ptr() == middle.data_ptr()
-    assert pool.take((3 << 20,)).data_ptr() == big.data_ptr()
+    assert pool.take((1 << 19, 2), torch.float32).data_ptr() == small.data_ptr()
+    assert pool.take(((1 << 20) + 1,), torch.float32).data_ptr() == middle.data_ptr()
+    assert pool.take((3 << 20,), torch.float32).data_ptr() == big.data_ptr()
     assert stats.read_buffers_allocated == 3
 
 

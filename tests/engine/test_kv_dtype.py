@@ -1,0 +1,96 @@
+"""A bfloat16 KV pool under float32 activations (`--kv-dtype bfloat16`): KV is stored as the
+pool holds it (half the bytes), a KV restore puts back the very bits, H and recompute
+restores round to them, the compiled decode step attends in bfloat16, and greedy turns
+match a never-evicted run over a bfloat16 cache. A store of the other KV dtype is refused."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import tload
+from engine_helpers import make_engine, profile_for, reference, turn, word_tokenizer
+
+from hcache.config import EngineConfig, StorageConfig
+from hcache.engine.engine import Engine
+from hcache.engine.errors import FailedPrecondition
+from hcache.engine.sampler import SamplingParams
+from hcache.restore.plan import Method
+from hcache.storage.layout import CHUNK_TOKENS, Kind, num_chunks
+from hcache.storage.store import ChunkStore
+
+BF16 = torch.bfloat16
+
+
+def _resident(eng: Engine, sid: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    cache = eng.registry.sessions[sid].cache
+    assert cache is not None
+    return [tuple(t.clone() for t in cache.layer_kv(layer)) for layer in range(eng.model.cfg.num_layers)]
+
+
+def test_a_bfloat16_pool_restores_what_it_held(tmp_path, tiny_folder):
+    model = tload(tiny_folder("llama_gqa"))
+    assert model.dtype == torch.float32
+    tok = word_tokenizer(model.cfg.vocab_size)
+    eng, store = make_engine(model, tok, [tmp_path / "a", tmp_path / "b"], kv_dtype="bfloat16", decode="compiled")
+    try:
+        assert eng.pool.dtype == BF16 and store.shapes[Kind.KV].dtype == BF16
+        assert store.shapes[Kind.HIDDEN].dtype == torch.float32  # H stays the activations'
+        rng = random.Random(3)
+        s = eng.create_session()
+        p = SamplingParams(max_new_tokens=6)
+        history: list[int] = []
+        for method in [None, Method.KV, Method.HIDDEN, Method.RECOMPUTE, None]:
+            if method is not None:
+                held = _resident(eng, s.id)
+                eng.evict(s.id)
+                r = eng.restore(s.id, method)
+                n = len(history) - 1
+                back = _resident(eng, s.id)
+                for (k0, v0), (k1, v1) in zip(held, back, strict=True):
+                    assert k1.dtype == BF16
+                    if method == Method.KV:  # the stored bits are the pool's
+                        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+                    elif method == Method.HIDDEN:  # projected in float32, rounded as the forward's were
+                        torch.testing.assert_close(k1, k0, rtol=2**-7, atol=1e-6)
+                        torch.testing.assert_close(v1, v0, rtol=2**-7, atol=1e-6)
+                    else:  # attention rounds its output to bfloat16: one pass and the turns' pieces
+                        # round differently, and later layers carry that (bfloat16-sized) difference
+                        for a, b in ((k0, k1), (v0, v1)):
+                            assert (a.float() - b.float()).abs().max() <= 2**-6 * a.float().abs().max()
+                if method == Method.KV:  # whole chunks of two bytes per element
+                    chunk = CHUNK_TOKENS * 2 * model.cfg.kv_dim * 2
+                    assert r.bytes_read == model.cfg.num_layers * num_chunks(n) * chunk
+            new = [rng.randrange(300) for _ in range(rng.randrange(20, 70))]
+            got, _ = turn(eng, s.id, token_ids=new, params=p)
+            assert got == reference(model, [*history, *new], p, set(), BF16), method
+            history += [*new, *got]
+    finally:
+        eng.close()
+        store.close()
+
+
+def test_a_store_of_the_other_kv_dtype_is_refused(tmp_path, tiny_folder):
+    model = tload(tiny_folder("llama_gqa"))
+    tok = word_tokenizer(model.cfg.vocab_size)
+    eng, store = make_engine(model, tok, [tmp_path / "s"])  # float32 KV
+    try:
+        s = eng.create_session()
+        turn(eng, s.id, token_ids=list(range(3, 40)), params=SamplingParams(max_new_tokens=2))
+    finally:
+        eng.close()
+        store.close()
+    store = ChunkStore(StorageConfig([str(tmp_path / "s")]), model.cfg, model.dtype)
+    try:
+        with pytest.raises(ValueError, match=r"store keeps KV in torch\.float32"):
+            Engine(model, tok, store, profile_for(model), EngineConfig(kv_dtype="bfloat16"))
+    finally:
+        store.close()
+    eng, store = make_engine(model, tok, [tmp_path / "s"], kv_dtype="bfloat16")
+    try:
+        with pytest.raises(FailedPrecondition, match="stored with another --kv-dtype"):
+            eng.generate(s.id, token_ids=[5], params=SamplingParams(max_new_tokens=2))
+    finally:
+        eng.close()
+        store.close()
