@@ -30,6 +30,8 @@ def perplexities(dtype: str, llama: Callable[[int], Any]) -> dict[str, Any]:
     for mode in WEIGHT_MODES:
         model = lm.model if mode == "float" else load("default", dtype, weights=mode).model
         out[f"hcache {mode}"] = omp.on_worker(lambda m=model: perplexity(m, ids))
+        if dtype == "float32":  # and over a bfloat16 KV cache (`--kv-dtype bfloat16`)
+            out[f"hcache {mode}, bfloat16 KV"] = omp.on_worker(lambda m=model: perplexity(m, ids, torch.bfloat16))
     out["llama.cpp"] = _llama_perplexity(llama(len(ids) + 16), ids)
     return out
 

@@ -11,8 +11,26 @@ from hcache.config import ModelConfig
 from hcache.model.base import DecoderLayer, DecoderModel, KVOut
 from hcache.model.cache import Cache
 from hcache.model.layers import RMSNorm, Rope, apply_rope, linear_into
+from hcache.model.quant import Int4Linear
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+def fused_int4(mods: tuple[nn.Module, ...]) -> Int4Linear | None:
+    """The int4 modules as one, or None: not all int4, or the kernel's packing does not
+    concatenate here (it packs N in column blocks, and a part but the last that is not whole
+    blocks shifts the rest), which a probe shows."""
+    if not all(isinstance(m, Int4Linear) for m in mods):
+        return None
+    cat = Int4Linear.cat(mods)  # type: ignore[arg-type]
+    return cat if _same(cat, mods) else None
+
+
+def _same(one: nn.Module, parts: tuple[nn.Module, ...]) -> bool:
+    """`one`'s outputs are the parts' side by side, bit for bit, on a random probe."""
+    x = torch.randn(3, parts[0].in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return torch.equal(one(x), torch.cat([p(x) for p in parts], dim=-1))
 
 
 class LlamaLayer(DecoderLayer):
@@ -28,20 +46,54 @@ class LlamaLayer(DecoderLayer):
         self.w_gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.w_up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        # int4 weights, fused (`fuse_int4`): Q, K, V as one matrix, K and V its row view, gate and up
+        self.wqkv: nn.Module | None = None
+        self.wkv: nn.Module | None = None
+        self.w_gu: nn.Module | None = None
+
+    def fuse_int4(self) -> None:
+        """Q, K and V as one int4 matrix and gate and up as another: one kernel call each where
+        there were five, which matters most at a decode step's few rows (the kernel's per-call
+        cost, and its split of a small N over the threads). The kernel computes each output
+        column alone, so the results are the separate calls' bits. The H restore projects K
+        and V alone through `wkv`, rows of the same packed weights. Each pair stays separate
+        where the packing does not concatenate (`fused_int4`)."""
+        qkv = fused_int4((self.wq, self.wk, self.wv))
+        kv = qkv.rows(self.wq.out_features, qkv.out_features) if qkv is not None else None
+        if qkv is not None and kv is not None and _same(kv, (self.wk, self.wv)):
+            self.wqkv, self.wkv = qkv, kv
+            del self.wq, self.wk, self.wv
+        gu = fused_int4((self.w_gate, self.w_up))
+        if gu is not None:
+            self.w_gu = gu
+            del self.w_gate, self.w_up
 
     def _kv(self, x: torch.Tensor, pos: CosSin, out: KVOut = None) -> tuple[torch.Tensor, torch.Tensor]:
         t = x.shape[0]
         k_out, v_out = out or (None, None)
+        if self.wkv is not None:
+            k, v = self.wkv(x).view(t, 2, self.n_kv, self.hd).unbind(1)
+            return apply_rope(k, *pos, out=k_out), (v if v_out is None else v_out.copy_(v))
         k = apply_rope(self.wk(x).view(t, self.n_kv, self.hd), *pos, out=k_out)
         return k, linear_into(x, self.wv, v_out).view(t, self.n_kv, self.hd)
 
     def forward(self, h: torch.Tensor, pos: CosSin, cache: Cache, index: int) -> torch.Tensor:
         x = self.attn_norm(h)
-        q = apply_rope(self.wq(x).view(x.shape[0], self.n_heads, self.hd), *pos)
-        k, v = self._kv(x, pos)
+        t = x.shape[0]
+        if self.wqkv is None:
+            q = self.wq(x)
+            k, v = self._kv(x, pos)
+        else:
+            q, kv = self.wqkv(x).split((self.n_heads * self.hd, 2 * self.n_kv * self.hd), dim=-1)
+            k, v = kv.unflatten(-1, (2, self.n_kv, self.hd)).unbind(1)
+            k = apply_rope(k, *pos)
+        q = apply_rope(q.view(t, self.n_heads, self.hd), *pos)
         h = h + self.wo(cache.attend(index, q, k, v))
         x = self.ffn_norm(h)
-        return h + self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        if self.w_gu is None:
+            return h + self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        gate, up = self.w_gu(x).chunk(2, dim=-1)
+        return h + self.w_down(F.silu(gate) * up)
 
     def kv_from_hidden(self, h: torch.Tensor, pos: CosSin, out: KVOut = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self._kv(self.attn_norm(h), pos, out)

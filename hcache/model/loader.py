@@ -19,7 +19,7 @@ from torch import nn
 
 from hcache.config import ARCH_LLAMA, ARCH_OPT, ModelConfig
 from hcache.model.base import DecoderModel
-from hcache.model.llama import Llama
+from hcache.model.llama import Llama, LlamaLayer
 from hcache.model.opt import OPT
 from hcache.model.quant import WEIGHT_MODES, Int4Linear, Int8Embedding, Int8Rows, int4_from_float, q4_1_groups
 from hcache.model.tokenizer import Tokenizer
@@ -78,7 +78,11 @@ def load(name: str = "default", dtype: str = "float32", device: str = "cpu", wei
         model, tok = _load_gguf(path, weights)
     else:
         raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face folder")
-    return LoadedModel(model.to(device=device, dtype=DTYPES[dtype]).eval(), tok, path)
+    model = model.to(device=device, dtype=DTYPES[dtype]).eval()
+    for layer in model.layers if weights == "int4" else ():
+        if isinstance(layer, LlamaLayer):
+            layer.fuse_int4()
+    return LoadedModel(model, tok, path)
 
 
 def read_config(name: str = "default") -> ModelConfig:

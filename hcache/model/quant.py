@@ -53,6 +53,25 @@ class Int4Linear(_Bf16Scales):
         sz = torch.stack([scale.float().t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
         return cls(packed, sz, bias)
 
+    @classmethod
+    def cat(cls, mods: tuple[Int4Linear, ...]) -> Int4Linear:
+        """One matrix of the modules' output rows, in order (the packed form is row-major in N,
+        the scales N-minor): the kernel computes each output column alone, so one call gives
+        the separate calls' bits."""
+        bias = None
+        if any(m.bias is not None for m in mods):
+            dt = next(m.bias.dtype for m in mods if m.bias is not None)
+            zeros = [torch.zeros(m.out_features, dtype=dt) for m in mods]
+            bias = torch.cat([z if m.bias is None else m.bias.data for m, z in zip(mods, zeros, strict=True)])
+        packed = torch.cat([m.packed for m in mods])
+        return cls(packed, torch.cat([m.scales_zeros for m in mods], dim=1), bias)
+
+    def rows(self, lo: int, hi: int) -> Int4Linear:
+        """Output rows `lo..hi` as a module of their own, sharing the packed weights (the scales,
+        a 32nd of their size, are copied: the kernel takes them contiguous)."""
+        bias = None if self.bias is None else self.bias[lo:hi]
+        return Int4Linear(self.packed[lo:hi], self.scales_zeros[:, lo:hi].contiguous(), bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros).to(x.dtype)

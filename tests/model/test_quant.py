@@ -26,7 +26,7 @@ def _kernel_weights(lin: Int4Linear) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "name,path,heads", [("blk.0.attn_q.weight", "layers.0.wq", 9), ("blk.7.ffn_down.weight", "layers.7.w_down", None)]
+    "name,path,heads", [("blk.0.attn_q.weight", "layers.0.wqkv", 9), ("blk.7.ffn_down.weight", "layers.7.w_down", None)]
 )
 def test_int4_weights_are_the_files_q4_1_blocks(int4_model, name, path, heads):
     from gguf import GGMLQuantizationType, GGUFReader
@@ -39,7 +39,8 @@ def test_int4_weights_are_the_files_q4_1_blocks(int4_model, name, path, heads):
     if heads:
         want = _unpermute(want, heads)
     want = torch.from_numpy(np.ascontiguousarray(want, dtype=np.float32))
-    got = _kernel_weights(int4_model.model.get_submodule(path))
+    lin = int4_model.model.get_submodule(path)
+    got = _kernel_weights(lin if lin.out_features == shape[0] else lin.rows(0, shape[0]))  # Q: wqkv's first rows
     # the kernel keeps each block's scale and zero in bfloat16 (relative error 2^-9) and
     # rounds its output to bfloat16: beyond that the weights are the file's
     blocks = want.reshape(shape[0], -1, 32)
@@ -87,7 +88,7 @@ def test_int4_runs_on_cpus_with_bfloat16_scales_in_any_dtype():
     with pytest.raises(ValueError, match="runs on CPUs"):
         load("default", "float32", device="meta", weights="int4")
     m = load("default", "float32", weights="int4").model
-    assert m.dtype == torch.float32 and m.layers[0].wq.scales_zeros.dtype == torch.bfloat16
+    assert m.dtype == torch.float32 and m.layers[0].wqkv.scales_zeros.dtype == torch.bfloat16
     assert m.lm_head.scales.dtype == torch.bfloat16 and m.embed_tokens(torch.tensor([5])).dtype == torch.float32
     with pytest.raises(ValueError, match="unsupported weights"):
         load("default", "bfloat16", weights="int3")
@@ -99,6 +100,7 @@ def test_a_safetensors_model_is_quantized_on_load(tiny_folder):
     assert isinstance(q.layers[0].wq, Int4Linear) and isinstance(q.lm_head, Int8Rows)
     # the float model with the weights the kernels apply computes what the int4 model does
     ref = load(folder, "bfloat16").model
+    q = _unfused(q)  # the separate modules, named as the float model's
     with torch.no_grad():
         for name, mod in q.named_modules():
             if isinstance(mod, Int4Linear):
@@ -108,3 +110,34 @@ def test_a_safetensors_model_is_quantized_on_load(tiny_folder):
     ids = list(range(3, 40))
     a, b = logits_of(ref, ids), logits_of(q, ids)
     assert (a - b).abs().max().item() < 0.05 * a.abs().max().item()
+
+
+def _unfused(model):
+    """The model with each fused int4 matrix split back into its separate modules (row views)."""
+    for layer in (la for la in model.layers if la.wqkv is not None):
+        q, kv, f = layer.n_heads * layer.hd, layer.n_kv * layer.hd, layer.w_gu.out_features // 2
+        layer.wq, layer.wk, layer.wv = (layer.wqkv.rows(a, b) for a, b in ((0, q), (q, q + kv), (q + kv, q + 2 * kv)))
+        layer.w_gate, layer.w_up = layer.w_gu.rows(0, f), layer.w_gu.rows(f, 2 * f)
+        layer.wqkv = layer.wkv = layer.w_gu = None
+    return model
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_int4_projections_give_the_separate_calls_bits(default_model, tiny_folder, dtype):
+    """Q/K/V and gate/up run as one int4 call each: logits at every row count, and an H
+    restore's K/V (through the K/V rows of the fused matrix), are the separate calls' bits.
+    Where the kernel's packing does not concatenate (the tiny model's 16-row K), they stay apart."""
+    tiny = load(str(tiny_folder("llama_gqa")), dtype, weights="int4").model
+    assert tiny.layers[0].wqkv is None and tiny.layers[0].w_gu is None
+    fused = load("default", dtype, weights="int4").model
+    assert fused.layers[0].wqkv is not None and not hasattr(fused.layers[0], "wq")
+    separate = _unfused(load("default", dtype, weights="int4").model)
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 5, 37, 100):
+        ids = torch.randint(3, fused.cfg.vocab_size, (n,), generator=g).tolist()
+        assert torch.equal(logits_of(fused, ids), logits_of(separate, ids)), n
+        h = torch.randn(n, fused.cfg.hidden_size, generator=g).to(fused.dtype)
+        pos = fused.pos_context(torch.arange(n))
+        with torch.inference_mode():
+            got, want = fused.layers[1].kv_from_hidden(h, pos), separate.layers[1].kv_from_hidden(h, pos)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), n
