@@ -267,13 +267,15 @@ def _decode_variant(
 
 
 def _memory(model: torch.nn.Module) -> dict[str, float]:
-    """Resident weights (each storage once: a tied head shares the embedding's) against
+    """Resident weights (each storage once: a tied head shares the embedding's; and the head's
+    oneDNN copy, which is not in the state dict) against
     the GGUF file, and the process's peak RSS so far (before llama.cpp loads)."""
     seen: dict[int, int] = {}
     for t in model.state_dict().values():
         seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    packed = sum(getattr(m, "packed_bytes", 0) for m in model.modules())  # oneDNN's opaque copies
     return {
-        "weights_mb": sum(seen.values()) / 1e6,
+        "weights_mb": (sum(seen.values()) + packed) / 1e6,
         "gguf_mb": default_model_path().stat().st_size / 1e6,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3,
     }

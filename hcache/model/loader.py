@@ -82,6 +82,8 @@ def load(name: str = "default", dtype: str = "float32", device: str = "cpu", wei
     for layer in model.layers if weights == "int4" else ():
         if isinstance(layer, LlamaLayer):
             layer.fuse_int4()
+    if isinstance(model.lm_head, Int8Rows) and torch.device(device).type == "cpu":
+        model.lm_head.pack_for_onednn()
     return LoadedModel(model, tok, path)
 
 

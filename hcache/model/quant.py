@@ -88,6 +88,8 @@ class Int8Rows(_Bf16Scales):
         super().__init__()
         self.register_buffer("q", q)
         self.register_buffer("scales", scales)
+        self._handle: int | None = None  # `pack_for_onednn`'s copy, in `_ONEDNN`
+        self.packed_bytes = 0
 
     @classmethod
     def from_float(cls, w: torch.Tensor) -> Int8Rows:
@@ -95,13 +97,64 @@ class Int8Rows(_Bf16Scales):
         q = torch.round(w.float() / s[:, None]).clamp_(-127, 127).to(torch.int8)
         return cls(q, s.to(torch.bfloat16))
 
+    def pack_for_onednn(self) -> bool:
+        """Serve `forward` on oneDNN's int8 GEMM (AMX or VNNI) from a prepacked copy of the
+        rows (their size again); False where this torch has no oneDNN. `_weight_int8pack_mm`
+        runs a row at a time: a batch-32 decode step's head took 12 ms there, 1.7 ms here."""
+        if self._handle is not None:
+            return True
+        if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")):
+            return False
+        packed = torch.ops.onednn.qlinear_prepack(self.q, None)
+        zeros = torch.zeros(self.q.shape[0], dtype=torch.int32)
+        self._handle = len(_ONEDNN)
+        _ONEDNN.append((packed, self.scales.float(), zeros))
+        self.packed_bytes = self.q.numel()
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._handle is not None:
+            y = int8_rows_mm(x.reshape(-1, self.q.shape[1]), self._handle).to(x.dtype)
+            return y.view(*x.shape[:-1], self.q.shape[0])
         flat = x.reshape(-1, self.q.shape[1]).to(torch.bfloat16)
         y = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales).to(x.dtype)
         return y.view(*x.shape[:-1], self.q.shape[0])
 
     def lookup(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.q[tokens].to(dtype) * self.scales[tokens, None].to(dtype)
+
+
+# oneDNN's prepacked int8 matrices (opaque tensors), with their scales and zero points. The
+# custom op takes an index into this list: dynamo and inductor see no opaque tensor.
+_ONEDNN: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+
+@torch.library.custom_op("hcache::int8_rows_mm", mutates_args=())
+def int8_rows_mm(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """`x @ rows.T` (float32 `[M, rows]`) on oneDNN's int8 GEMM. Each row of `x` is quantized
+    on its own (so a row's result never depends on the others in the batch), in two int8
+    passes: the row at its own scale, then what that left over at the remainder's scale,
+    about 15 bits where one pass (7) moved the shipped text's perplexity by 0.3%. Both
+    passes go in one call: it costs about the same at 2 rows as at 1. The integer sums are
+    exact and the activation scale is 1, so each output is `sum * row_scale`, rounded once."""
+    packed, scales, zeros = _ONEDNN[handle]
+    x = x.float()
+    m = x.shape[0]
+    q = torch.empty(2 * m, x.shape[1])
+    s1 = x.abs().amax(1, keepdim=True).div_(127).clamp_min_(1e-30)
+    torch.div(x, s1, out=q[:m]).round_().clamp_(-127, 127)
+    rest = torch.addcmul(x, q[:m], s1, value=-1)
+    s2 = rest.abs().amax(1, keepdim=True).div_(127).clamp_min_(1e-30)
+    torch.div(rest, s2, out=q[m:]).round_().clamp_(-127, 127)
+    y = torch.ops.onednn.qlinear_pointwise(
+        q.to(torch.int8), 1.0, 0, packed, scales, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+    )
+    return y[:m].mul_(s1).add_(y[m:].mul_(s2))
+
+
+@int8_rows_mm.register_fake
+def _(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], _ONEDNN[handle][1].shape[0]), dtype=torch.float32)
 
 
 class Int8Embedding(nn.Module):

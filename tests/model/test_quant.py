@@ -141,3 +141,23 @@ def test_fused_int4_projections_give_the_separate_calls_bits(default_model, tiny
         with torch.inference_mode():
             got, want = fused.layers[1].kv_from_hidden(h, pos), separate.layers[1].kv_from_hidden(h, pos)
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), n
+
+
+def test_the_onednn_head_is_row_independent_close_and_the_same_compiled():
+    """The LM head on oneDNN's int8 GEMM quantizes each row on its own: a row's logits are
+    the same bits alone or in any batch, eager or inside a compiled graph, and stay within
+    the bfloat16 kernel's rounding of `_weight_int8pack_mm`'s."""
+    g = torch.Generator().manual_seed(0)
+    rows = Int8Rows.from_float(torch.randn(300, 64, generator=g))
+    x = torch.randn(9, 64, generator=g) * 3
+    x[:, 5] *= 40  # an outlier channel, as real hidden states have
+    want = rows(x)  # `_weight_int8pack_mm`, on bfloat16 activations
+    if not rows.pack_for_onednn():
+        pytest.skip("this torch has no oneDNN")
+    got = rows(x)
+    assert (got - want).abs().max() <= 2**-7 * want.abs().max()
+    for i in range(len(x)):
+        assert torch.equal(rows(x[i : i + 1]), got[i : i + 1])
+    compiled = torch.compile(lambda t: rows(t), dynamic=True, fullgraph=True)
+    with torch.inference_mode():
+        assert torch.equal(compiled(x), got) and torch.equal(compiled(x[:3]), got[:3])
