@@ -103,6 +103,7 @@ class Manifest:
         self.db.executescript(SCHEMA)
         self.db.execute("DROP INDEX IF EXISTS chunks_slot")  # slots were unique before forks shared them
         self.lock = threading.Lock()
+        self._kinds: dict[str, str] = {}  # owner -> layer-kinds code, as read (dropped where it changes)
 
     def close(self) -> None:
         with self.lock:
@@ -133,12 +134,16 @@ class Manifest:
         return _owner(r) if r else None
 
     def owner_layer_kinds(self, owner: str) -> str:
-        """The owner's layer-kinds code alone (what every decode step stages by), without
-        reading its token list."""
+        """The owner's layer-kinds code alone (what every decode step stages by), from memory
+        after the first read: a query per step waited on the lock the packer's commits hold."""
+        code = self._kinds.get(owner)
+        if code is not None:
+            return code
         with self.lock:
             r = self.db.execute("SELECT layer_kinds FROM owners WHERE owner=?", (owner,)).fetchone()
-        if r is None:
-            raise UnknownOwner(f"unknown owner {owner}")
+            if r is None:
+                raise UnknownOwner(f"unknown owner {owner}")
+            self._kinds[owner] = r[0]
         return r[0]
 
     def owner(self, owner: str) -> OwnerRow:
@@ -241,6 +246,7 @@ class Manifest:
             self.db.execute("DELETE FROM chunks WHERE owner=?", (owner,))
             self.db.execute("DELETE FROM prefixes WHERE owner=?", (owner,))
             self.db.execute("DELETE FROM owners WHERE owner=?", (owner,))
+            self._kinds.pop(owner, None)
         return [ChunkRow(*r) for r in rows]
 
     def expired(self, owner: str) -> tuple[str | None, float] | None:
@@ -260,6 +266,7 @@ class Manifest:
         with self.lock, self.db:
             self.db.execute("BEGIN IMMEDIATE")
             self.db.execute("UPDATE owners SET layer_kinds=? WHERE owner=?", (layer_kinds, owner))
+            self._kinds.pop(owner, None)
             self.db.executemany(
                 "DELETE FROM chunks WHERE owner=? AND layer=? AND idx=? AND kind=?",
                 [(r.owner, r.layer, r.idx, r.kind) for r in rows],
