@@ -216,7 +216,9 @@ def render(results: Path, bench_dir: Path) -> str:
             )
         lines += [
             "",
-            "All times in ms, medians of one run each. hcache's auto plans: "
+            "All times in ms, from one run: the TTFT columns (llama.cpp's load and turn, hcache's fused "
+            "restore and turn) are medians of three evictions each, the rest single measurements. "
+            "hcache's auto plans: "
             + ", ".join(f"{r['tokens']}: `{r.get('auto_plan', '')}`" for r in rows if r["system"] == "hcache")
             + ".",
             "",
