@@ -208,13 +208,9 @@ def hcache_rows(args: argparse.Namespace, doc: list[int], turn: list[int]) -> tu
     omp.isolate_main()  # the engine's loop computes (see hcache/omp.py)
     lm = omp.on_worker(lambda: load("default", args.dtype, weights=args.weights))
     dirs = ensure_dirs(args.dirs) if args.dirs else [Path(tempfile.mkdtemp(prefix="hcache-peers-"))]
-    roots = [Path(tempfile.mkdtemp(dir=d)) for d in dirs]
     omp.on_worker(lambda: warm_up(lm.model))  # as `hcache serve` starts: no restore pays for compiling
     prof = omp.on_worker(lambda: profiler.load_or_run(lm.model, dirs, Path(args.profile_dir)))
-    kv_dtype = resident_kv_dtype(args.kv_dtype, lm.model.dtype)
-    store = ChunkStore(StorageConfig([str(r) for r in roots]), lm.model.cfg, lm.model.dtype, kv_dtype=kv_dtype)
-    cfg = EngineConfig(kv_budget_bytes=4 << 30, store_kinds="both", kv_dtype=args.kv_dtype)
-    engine = Engine(lm.model, lm.tokenizer, store, prof, cfg)
+    engine, store = _engine(lm, prof, dirs, args, kv_budget_bytes=4 << 30, store_kinds="both")
     serve_compiled_only()
     rows: list[dict] = []
     one = SamplingParams(max_new_tokens=1, ignore_eos=True)
@@ -258,14 +254,19 @@ def hcache_rows(args: argparse.Namespace, doc: list[int], turn: list[int]) -> tu
     return rows, decode
 
 
+def _engine(lm: Any, prof: Any, dirs: list[Path], args: argparse.Namespace, **cfg: Any) -> tuple[Engine, ChunkStore]:
+    """An engine configured by `cfg` (and `--kv-dtype`) on a fresh store in each of `dirs`."""
+    roots = [tempfile.mkdtemp(dir=d) for d in dirs]
+    kv_dtype = resident_kv_dtype(args.kv_dtype, lm.model.dtype)
+    store = ChunkStore(StorageConfig(roots), lm.model.cfg, lm.model.dtype, kv_dtype=kv_dtype)
+    return Engine(lm.model, lm.tokenizer, store, prof, EngineConfig(kv_dtype=args.kv_dtype, **cfg)), store
+
+
 def _decode_variant(
     lm: Any, prof: Any, dirs: list[Path], doc: list[int], batches: list[int], args: argparse.Namespace, **cfg: Any
 ) -> dict[str, float]:
     """Decode on a fresh engine (and store) configured by `cfg`."""
-    roots = [tempfile.mkdtemp(dir=d) for d in dirs]
-    kv_dtype = resident_kv_dtype(args.kv_dtype, lm.model.dtype)
-    store = ChunkStore(StorageConfig(roots), lm.model.cfg, lm.model.dtype, kv_dtype=kv_dtype)
-    engine = Engine(lm.model, lm.tokenizer, store, prof, EngineConfig(1 << 30, kv_dtype=args.kv_dtype, **cfg))
+    engine, store = _engine(lm, prof, dirs, args, kv_budget_bytes=1 << 30, **cfg)
     try:
         return _hcache_decode(engine, doc, batches, args.decode_prompt, args.decode_steps)
     finally:

@@ -123,11 +123,6 @@ def _targets(peers: dict) -> list[str]:
     return out
 
 
-def _kv_words(args: dict) -> str:
-    kv = args.get("kv_dtype", "model")
-    return f"a {kv} KV cache" if kv != "model" else f"a {args['dtype']} KV cache"
-
-
 def _quality(peers: dict) -> list[str]:
     q = peers.get("quality")
     if not q:
@@ -185,7 +180,8 @@ def render(results: Path, bench_dir: Path) -> str:
             f"{m['cpu']}, {m['cores']} cores, {m['memory_gb']:.0f} GB; Python {m['python']}, torch {m['torch']}, "
             f"llama-cpp-python {m['llama-cpp-python']}, transformers {m['transformers']}; run {m['date']}. "
             f"hcache ran in {peers['args']['dtype']} with {peers['args'].get('weights', 'float')} weights and "
-            f"{_kv_words(peers['args'])} on {peers['args']['threads']} threads, its decode step compiled; "
+            f"a {peers['args'].get('kv_dtype', 'model').replace('model', peers['args']['dtype'])} KV cache on "
+            f"{peers['args']['threads']} threads, its decode step compiled; "
             "llama.cpp the same GGUF "
             "(Q4_1 weights, f16 KV) on the same threads; transformers in float32.",
             "",
