@@ -86,7 +86,6 @@ class LayerBuffers:
         self.prefetch_bytes, self.prefetch_layers = prefetch_bytes, prefetch_layers
         self.free: list[torch.Tensor] = []  # least recently returned first
         self._pooled_bytes = 0
-        self._lent: dict[int, torch.Tensor] = {}  # storage address -> the flat buffer a view was taken of
         self.lock = threading.Lock()
 
     def warm(self, layer_bytes: int, num_layers: int) -> None:
@@ -118,9 +117,9 @@ class LayerBuffers:
                 self.stats.count_buffer_allocated()
         if flat is None:
             flat = self._fresh(n, huge=False)
-        with self.lock:
-            self._lent[flat.untyped_storage().data_ptr()] = flat
-        return flat[:n].view(dtype).view(shape)
+        out = flat[:n].view(dtype).view(shape)
+        out.pool_root = flat  # a view of another dtype does not lead back to it by `_base`
+        return out
 
     def _fresh(self, n: int, huge: bool) -> torch.Tensor:
         """`n` bytes (rounded up to whole huge pages) as a flat uint8 tensor."""
@@ -137,8 +136,7 @@ class LayerBuffers:
         """Keep what two restores' read-ahead holds (the layer window or `prefetch_bytes`, and a
         little more), so the next restore allocates nothing; over that, the least recently
         returned go."""
-        with self.lock:
-            flat = self._lent.pop(t.untyped_storage().data_ptr(), t)
+        flat = t.__dict__.get("pool_root", t)
         mem = flat.__dict__.pop("small_pages", None)
         if mem is not None:
             hugepage_later(mem)
