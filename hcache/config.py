@@ -233,9 +233,10 @@ class EngineConfig:
         choices=("auto", "kv", "hidden", "both", "none"),
     )
     kv_dtype: str = setting(
-        "model",
-        "the resident KV's dtype (model: the activations'; bfloat16: half the bytes of float32, attended in bfloat16)",
-        choices=("model", "bfloat16"),
+        "auto",
+        "the resident KV's dtype (model: the activations'; bfloat16: half the bytes of float32, attended in "
+        "bfloat16; auto: bfloat16 under int4 weights, else model)",
+        choices=("auto", "model", "bfloat16"),
     )
     plan_tokens: int = setting(4096, "the session length the storage choice is planned for")
     max_sessions_per_tenant: int = setting(0, "sessions per API key (0: no limit)", flag="--max-sessions-per-key")
@@ -286,9 +287,10 @@ class Config:
     model: str = setting("default", "'default' (SmolLM2-135M-Instruct GGUF), a .gguf file or an HF folder")
     dtype: str = setting("float32", "weights and activations", choices=("float32", "bfloat16"))
     weights: str = setting(
-        "float",
-        "float: dequantized (the oracle); int4: packed int4 linears and int8 embedding/head on CPUs",
-        choices=("float", "int4"),
+        "auto",
+        "float: dequantized (the oracle); int4: packed int4 linears and int8 embedding/head on CPUs; "
+        "auto: int4 on a CPU for a GGUF file whose linears are all Q4_1, else float",
+        choices=("auto", "float", "int4"),
     )
     device: str = setting("cpu", "torch device the model runs on")
     profile: str = setting("", "a profile JSON (empty: measure this machine once, then reuse it)")

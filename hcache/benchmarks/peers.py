@@ -251,13 +251,15 @@ def hcache_rows(args: argparse.Namespace, doc: list[int], turn: list[int]) -> tu
     # rows above store both kinds, to have every path), or nothing with the saver off
     decode = _decode_variant(lm, prof, dirs, doc, args.batches, args) | _memory(lm.model)
     decode["tbt_b1_saver_off_ms"] = _decode_variant(lm, prof, dirs, doc, [1], args, store_kinds="none")["tbt_b1_ms"]
+    decode["weights"] = lm.model.weights  # what `auto` resolved to
+    decode["kv_dtype"] = str(resident_kv_dtype(args.kv_dtype, lm.model)).removeprefix("torch.")
     return rows, decode
 
 
 def _engine(lm: Any, prof: Any, dirs: list[Path], args: argparse.Namespace, **cfg: Any) -> tuple[Engine, ChunkStore]:
     """An engine configured by `cfg` (and `--kv-dtype`) on a fresh store in each of `dirs`."""
     roots = [tempfile.mkdtemp(dir=d) for d in dirs]
-    kv_dtype = resident_kv_dtype(args.kv_dtype, lm.model.dtype)
+    kv_dtype = resident_kv_dtype(args.kv_dtype, lm.model)
     store = ChunkStore(StorageConfig(roots), lm.model.cfg, lm.model.dtype, kv_dtype=kv_dtype)
     return Engine(lm.model, lm.tokenizer, store, prof, EngineConfig(kv_dtype=args.kv_dtype, **cfg)), store
 
@@ -319,9 +321,9 @@ def _hcache_decode(engine: Engine, doc: list[int], batches: list[int], prompt: i
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hcache bench peers", description=__doc__)
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8000])
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--weights", default="float", choices=["float", "int4"], help="hcache's weight mode")
-    ap.add_argument("--kv-dtype", default="model", choices=["model", "bfloat16"], help="hcache's resident KV")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--weights", default="auto", choices=["auto", "float", "int4"], help="hcache's weight mode")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "model", "bfloat16"], help="hcache's resident KV")
     ap.add_argument("--dirs", nargs="+", help="storage directories (default: a temp dir)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])

@@ -14,12 +14,17 @@ import torch.nn.functional as F
 
 from hcache.config import ModelConfig
 from hcache.model.attention import causal_attention
+from hcache.model.base import DecoderModel
 from hcache.model.decode import BLOCK_TOKENS
 
 
-def resident_kv_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype:
-    """`EngineConfig.kv_dtype` as a dtype: "model" is the activations'."""
-    return model_dtype if choice == "model" else getattr(torch, choice)
+def resident_kv_dtype(choice: str, model: DecoderModel) -> torch.dtype:
+    """`EngineConfig.kv_dtype` as a dtype: "model" is the activations'; "auto" is bfloat16
+    under int4 weights, whose linears already give K and V in bfloat16 (so the pool loses
+    only RoPE's rounding of K, and restores read half the bytes), else the activations'."""
+    if choice == "auto":
+        return torch.bfloat16 if model.weights == "int4" else model.dtype
+    return model.dtype if choice == "model" else getattr(torch, choice)
 
 
 class OutOfBlocks(Exception):

@@ -75,7 +75,7 @@ class Engine(ClusterTurns):
         self.telemetry = telemetry or Telemetry()
         if self.cfg.restore_method != "auto":
             Method(self.cfg.restore_method)  # fail at start, not at the first restore
-        kv_dtype = resident_kv_dtype(self.cfg.kv_dtype, model.dtype)
+        kv_dtype = resident_kv_dtype(self.cfg.kv_dtype, model)
         if store.kv_dtype != kv_dtype:  # KV restores place the stored bits as they are
             raise ValueError(f"the store keeps KV in {store.kv_dtype}, the engine's KV is {kv_dtype}")
         per_block = BlockPool.bytes_per_block(model.cfg, kv_dtype)

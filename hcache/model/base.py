@@ -16,6 +16,7 @@ from torch import nn
 
 from hcache.config import ModelConfig
 from hcache.model.cache import Cache
+from hcache.model.quant import Int4Linear
 
 # where a layer's K and V `[T, kv_heads, head_dim]` go (a KV cache's rows), or None: new tensors
 KVOut = tuple[torch.Tensor, torch.Tensor] | None
@@ -52,6 +53,11 @@ class DecoderModel(nn.Module, ABC):
         """The activations' and the KV cache's dtype: the first float parameter's (weights
         may be quantized)."""
         return self._float_param().dtype
+
+    @property
+    def weights(self) -> str:
+        """The weight mode `load` gave: "int4" where linear layers run packed int4 kernels."""
+        return "int4" if any(isinstance(m, Int4Linear) for m in self.modules()) else "float"
 
     @property
     def device(self) -> torch.device:

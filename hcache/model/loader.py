@@ -64,14 +64,17 @@ def load(name: str = "default", dtype: str = "float32", device: str = "cpu", wei
     """weights: `float` dequantizes every tensor (the oracle); `int4` keeps linear layers as
     group-wise int4 (GGUF Q4_1 blocks as they are, other weights quantized on load) and the
     embedding and LM head as per-row int8, on torch's packed CPU kernels, which take and give
-    bfloat16 (a float32 model keeps float32 everywhere else: norms, attention, the KV cache)."""
+    bfloat16 (a float32 model keeps float32 everywhere else: norms, attention, the KV cache);
+    `auto` is `auto_weights`' choice."""
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-    if weights not in WEIGHT_MODES:
-        raise ValueError(f"unsupported weights {weights!r}; choose one of {', '.join(WEIGHT_MODES)}")
-    if weights != "float" and torch.device(device).type != "cpu":
+    if weights not in ("auto", *WEIGHT_MODES):
+        raise ValueError(f"unsupported weights {weights!r}; choose one of auto, {', '.join(WEIGHT_MODES)}")
+    if weights not in ("auto", "float") and torch.device(device).type != "cpu":
         raise ValueError(f"--weights {weights} runs on CPUs (got {device})")
     path = resolve_model_path(name)
+    if weights == "auto":
+        weights = auto_weights(path, device)
     if path.is_dir():
         model, tok = _load_hf(path, weights)
     elif path.suffix == ".gguf":
@@ -85,6 +88,17 @@ def load(name: str = "default", dtype: str = "float32", device: str = "cpu", wei
     if isinstance(model.lm_head, Int8Rows) and torch.device(device).type == "cpu":
         model.lm_head.pack_for_onednn()
     return LoadedModel(model, tok, path)
+
+
+def auto_weights(path: Path, device: str = "cpu") -> str:
+    """int4 on a CPU when every linear layer of a GGUF file is Q4_1: the kernel then runs the
+    file's own blocks, and nothing is quantized that the file did not; float otherwise."""
+    if torch.device(device).type != "cpu" or path.suffix != ".gguf":
+        return "float"
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    linears = [t for t in GGUFReader(str(path)).tensors if _GGUF_LINEAR.fullmatch(t.name)]
+    return "int4" if linears and all(t.tensor_type == GGMLQuantizationType.Q4_1 for t in linears) else "float"
 
 
 def read_config(name: str = "default") -> ModelConfig:
@@ -223,6 +237,7 @@ _GGUF_RENAMES = {
     "ffn_up": "w_up",
     "ffn_down": "w_down",
 }
+_GGUF_LINEAR = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight")
 GGUF_ARCHS = ("llama", "qwen2")
 
 

@@ -88,8 +88,8 @@ def build_engine(
         profile = profiler.load_or_run(loaded.model, dirs, Path(cfg.profile_dir))
     link = cluster_link(cfg)  # before the store: an unreachable cluster fails the start at once
     try:
-        dt = loaded.model.dtype
-        store = ChunkStore(cfg.storage, loaded.model.cfg, dt, cfg.device, resident_kv_dtype(cfg.engine.kv_dtype, dt))
+        m = loaded.model
+        store = ChunkStore(cfg.storage, m.cfg, m.dtype, cfg.device, resident_kv_dtype(cfg.engine.kv_dtype, m))
     except BaseException:
         if link is not None:
             link.close()

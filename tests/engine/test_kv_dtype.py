@@ -96,17 +96,18 @@ def test_a_store_of_the_other_kv_dtype_is_refused(tmp_path, tiny_folder):
         store.close()
 
 
-def test_the_served_fast_mode_matches_its_reference(default_model, tmp_path):
-    """The default model as the peers benchmark serves it (int4 weights, fused projections,
-    the oneDNN head, a bfloat16 KV pool, the compiled decode step): two sessions decoding
-    together, then turns after KV and H restores, give the greedy tokens of a never-evicted
-    eager run over a bfloat16 cache."""
+def test_the_serving_default_matches_its_reference(default_model, tmp_path):
+    """The default model as `hcache serve` serves it (`--weights auto`: int4 weights, fused
+    projections, the oneDNN head; `--kv-dtype auto`: a bfloat16 KV pool; the compiled decode
+    step): two sessions decoding together, then turns after KV, H and RE restores, give the
+    greedy tokens of a never-evicted eager run over a bfloat16 cache."""
     from hcache.model.loader import load
 
-    model = load("default", "float32", weights="int4").model
+    model = load("default", "float32", weights="auto").model
     assert model.layers[0].wqkv is not None and model.lm_head.packed_bytes
     tok = word_tokenizer(model.cfg.vocab_size)
-    eng, store = make_engine(model, tok, [tmp_path / "s"], kv_dtype="bfloat16", decode="compiled")
+    eng, store = make_engine(model, tok, [tmp_path / "s"], decode="compiled")
+    assert eng.pool.dtype == torch.bfloat16
     try:
         rng = random.Random(4)
         p = SamplingParams(max_new_tokens=8)
@@ -118,7 +119,7 @@ def test_the_served_fast_mode_matches_its_reference(default_model, tmp_path):
             got = [t for ev in eng.stream(seq) for t in ev.token_ids]
             assert got == reference(model, ids, p, set(), BF16)
             history.append(ids + got)
-        for method in (Method.KV, Method.HIDDEN):
+        for method in (Method.KV, Method.HIDDEN, Method.RECOMPUTE):
             eng.evict(sessions[0].id)
             eng.restore(sessions[0].id, method)
             new = [rng.randrange(100, 40000) for _ in range(30)]

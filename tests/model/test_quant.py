@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from hcache.model.loader import _unpermute, default_model_path, load
+from hcache.engine.block_pool import resident_kv_dtype
+from hcache.model.loader import _unpermute, auto_weights, default_model_path, load
 from hcache.model.quality import logits_of, perplexity
 from hcache.model.quant import Int4Linear, Int8Rows, int4_from_float
 
@@ -92,6 +93,30 @@ def test_int4_runs_on_cpus_with_bfloat16_scales_in_any_dtype():
     assert m.lm_head.scales.dtype == torch.bfloat16 and m.embed_tokens(torch.tensor([5])).dtype == torch.float32
     with pytest.raises(ValueError, match="unsupported weights"):
         load("default", "bfloat16", weights="int3")
+
+
+def test_auto_runs_a_q4_1_files_blocks_on_cpus_and_keeps_float_weights_float(tiny_folder, tmp_path):
+    import gguf
+
+    assert auto_weights(default_model_path()) == "int4"
+    assert auto_weights(default_model_path(), "cuda") == "float"
+    folder = tiny_folder("llama_gqa")
+    assert auto_weights(folder) == "float"  # safetensors: quantizing would lose what the file has
+    f32 = tmp_path / "f32.gguf"  # a GGUF whose linears are not Q4_1
+    w = gguf.GGUFWriter(str(f32), "llama")
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((64, 64), np.float32))
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(64, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert auto_weights(f32) == "float"
+    # a bfloat16 KV pool under int4 weights, whose linears already give K and V in bfloat16
+    fl, q = load(str(folder), "float32").model, load(str(folder), "float32", weights="auto").model
+    assert fl.weights == q.weights == "float"
+    q = load(str(folder), "float32", weights="int4").model
+    assert q.weights == "int4" and resident_kv_dtype("auto", q) == torch.bfloat16
+    assert resident_kv_dtype("auto", fl) == resident_kv_dtype("model", q) == torch.float32
 
 
 def test_a_safetensors_model_is_quantized_on_load(tiny_folder):
