@@ -4,36 +4,70 @@ attention over a long context against this CPU's matmul peak."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from hcache import omp
+from hcache import demo, omp
+from hcache.engine.generate import ChatSession
+from hcache.engine.sampler import SamplingParams
 from hcache.model.attention import causal_attention
+from hcache.model.base import DecoderModel
 from hcache.model.loader import load
-from hcache.model.quality import perplexity
+from hcache.model.quality import logits_of
 from hcache.model.quant import WEIGHT_MODES
+from hcache.model.tokenizer import Tokenizer
 from hcache.restore.profiler import median_ms
 
+DEMO_TOKENS = 64  # `hcache demo`'s default
 TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "perplexity.txt"
 
 
 def perplexities(dtype: str, llama: Callable[[int], Any]) -> dict[str, Any]:
-    """Perplexity of every hcache weight mode (in `dtype`) and of llama.cpp (`llama(n_ctx)`
-    gives a loaded llama_cpp.Llama) over the same token ids of the shipped text."""
+    """Every hcache weight mode (in `dtype`, and over a bfloat16 KV cache too in float32)
+    against the float oracle, keyed "hcache MODE[, bfloat16 KV]": perplexity over the shipped
+    text's token ids (llama.cpp's too: `llama(n_ctx)` gives a loaded llama_cpp.Llama); under
+    "max_logit_err", the largest |logit - oracle's| over that text; under "demo_chat", how the
+    greedy replies of `hcache demo`'s 3-turn chat differ from the oracle's."""
     lm = load("default", dtype)
     ids = lm.tokenizer.encode(TEXT.read_text())
     out: dict[str, Any] = {"text": str(TEXT.relative_to(TEXT.parents[2])), "tokens": len(ids)}
+    out["max_logit_err"], out["demo_chat"] = {}, {}
+    oracle = omp.on_worker(lambda: logits_of(lm.model, ids))
+    replies = omp.on_worker(lambda: _demo_replies(lm.model, lm.tokenizer, None))
     for mode in WEIGHT_MODES:
         model = lm.model if mode == "float" else load("default", dtype, weights=mode).model
-        out[f"hcache {mode}"] = omp.on_worker(lambda m=model: perplexity(m, ids))
-        if dtype == "float32":  # and over a bfloat16 KV cache (`--kv-dtype bfloat16`)
-            out[f"hcache {mode}, bfloat16 KV"] = omp.on_worker(lambda m=model: perplexity(m, ids, torch.bfloat16))
+        for kv in (None, torch.bfloat16) if dtype == "float32" else (None,):  # `--kv-dtype bfloat16`
+            name = f"hcache {mode}" + (", bfloat16 KV" if kv else "")
+            logits = omp.on_worker(lambda m=model, kv=kv: logits_of(m, ids, kv))
+            out[name] = math.exp(F.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item())
+            out["max_logit_err"][name] = (logits - oracle).abs().max().item()
+            got = omp.on_worker(lambda m=model, kv=kv: _demo_replies(m, lm.tokenizer, kv))
+            out["demo_chat"][name] = _token_diff(replies, got)
     out["llama.cpp"] = _llama_perplexity(llama(len(ids) + 16), ids)
     return out
+
+
+def _demo_replies(model: DecoderModel, tok: Tokenizer, kv_dtype: torch.dtype | None) -> list[list[int]]:
+    chat = ChatSession(model, tok, demo.SYSTEM, kv_dtype=kv_dtype)
+    return [chat.reply(m, SamplingParams(max_new_tokens=DEMO_TOKENS))[1] for m in demo.TURNS]
+
+
+def _token_diff(want: list[list[int]], got: list[list[int]]) -> list[dict[str, int]]:
+    """Per turn: the oracle reply's greedy tokens, how many of `got`'s differ position by
+    position (a missing or extra token counts), and the first that does (-1: none)."""
+    rows = []
+    for w, g in zip(want, got, strict=True):
+        pairs = list(zip(w, g, strict=False))
+        differ = sum(a != b for a, b in pairs) + abs(len(w) - len(g))
+        first = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs) if len(w) != len(g) else -1)
+        rows.append({"tokens": len(w), "differ": differ, "first_difference": first})
+    return rows
 
 
 def _llama_perplexity(llm: Any, ids: list[int]) -> float:

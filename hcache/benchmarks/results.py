@@ -135,12 +135,19 @@ def _quality(peers: dict) -> list[str]:
         f"Over the {q['tokens']} tokens of `{q['text']}` (the text the tests ship), the same token ids for every "
         f"system; hcache in {peers['args']['dtype']}. Target: the serving mode within 1% of the float oracle.",
         "",
-        "| system | perplexity | vs hcache float |",
-        "|---|---:|---:|",
+        "Max logit error: the largest |logit - the float oracle's| over that text (logits span about 60). "
+        "Demo chat: greedy tokens of `hcache demo`'s 3-turn chat that differ from the oracle's, position by "
+        "position, of all its replies' tokens.",
+        "",
+        "| system | perplexity | vs hcache float | max logit error | demo chat tokens differing |",
+        "|---|---:|---:|---:|---:|",
     ]
     for k in [*modes, "llama.cpp"]:
         ratio = q[k] / float_ppl if float_ppl else None
-        out.append(f"| {k} | {q[k]:.3f} | {_fmt(ratio, 4)} |")
+        err = q.get("max_logit_err", {}).get(k)
+        chat = q.get("demo_chat", {}).get(k)
+        diff = f"{sum(t['differ'] for t in chat)} of {sum(t['tokens'] for t in chat)}" if chat else "-"
+        out.append(f"| {k} | {q[k]:.3f} | {_fmt(ratio, 4)} | {_fmt(err, 2)} | {diff} |")
     return [*out, ""]
 
 

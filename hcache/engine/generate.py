@@ -69,11 +69,12 @@ class ChatSession:
         tokenizer: Tokenizer,
         system_prompt: str | None = None,
         recorder: Recorder | None = None,
+        kv_dtype: torch.dtype | None = None,
     ):
         self.model, self.tok = model, tokenizer
         self.messages: list[dict[str, str]] = []
         self.state: Recorder = recorder or MemoryState(model.cfg, model.dtype, model.device)
-        self.cache: KVCache | None = KVCache(model.cfg, model.dtype, model.device)
+        self.cache: KVCache | None = KVCache(model.cfg, kv_dtype or model.dtype, model.device)
         if system_prompt is not None:
             self.messages.append({"role": "system", "content": system_prompt})
             self._prefill(self.tok.encode_chat(self.messages, add_generation_prompt=False))
