@@ -1,5 +1,5 @@
-"""The read I/O threads: per-directory readers that only read, and one verifier that
-checks and places every finished read."""
+"""The read I/O threads: per-directory readers, each of which reads a request and then
+checks and places it."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from hcache.storage.throttle import wait_until
 
 
 class ReadPool:
-    """Per-directory reader threads and one verifier thread. Readers only read; each
-    finished request goes to the verifier, which checks and places it. Reads land in place
+    """Per-directory reader threads; each checks (and places) the request it read at once,
+    while its bytes are still in the CPU's cache. Reads land in place
     in layer buffers; the pool's aligned bounce buffers (bounded: bytes in flight stay
     bounded however many directories) serve only requests holding tails, or chunks that
     cannot land in place, so they do not cap how many requests are in flight. Unwanted
@@ -27,21 +27,16 @@ class ReadPool:
         self._make, self._buf_bytes, self._made, self._max = make_buffer, buf_bytes, 0, depth + n_dirs
         self._lock = threading.Lock()
         self.discard = memoryview(make_buffer(discard_bytes))
-        self.checks: queue.Queue = queue.Queue()
-        self.threads = [threading.Thread(target=self._verifier, name="hcache-verify", daemon=True)] + [
+        self.threads = [
             threading.Thread(target=self._loop, args=(q,), name=f"hcache-reader-{d}", daemon=True)
             for d, q in enumerate(self.queues)
             for _ in range(depth)
         ]
-        self._readers = len(self.threads) - 1
         for t in self.threads:
             t.start()
 
     def submit(self, d: int, fn: Callable[[Request], None], req: Request) -> None:
         self.queues[d].put((fn, req))
-
-    def verify(self, fn: Callable[..., None], args: tuple) -> None:
-        self.checks.put((fn, args))
 
     def take(self) -> Any:
         """A bounce buffer: made on first need, then reused; waits while all are in use."""
@@ -61,17 +56,6 @@ class ReadPool:
             # a capped request waits for its turn here, holding no buffer
             wait_until(req.not_before)
             fn(req)
-        with self._lock:  # the last reader out stops the verifier, after every read it handed over
-            self._readers -= 1
-            if self._readers == 0:
-                self.checks.put(None)
-
-    def _verifier(self) -> None:
-        """One thread checks every finished read (checksums, copies out of bounce buffers)."""
-        omp.serial()
-        while (item := self.checks.get()) is not None:
-            fn, args = item
-            fn(*args)
 
     def close(self) -> None:
         for q in self.queues:

@@ -1,4 +1,4 @@
-"""A store's counters. The parts that count (readers, the verifier, the buffer pool) get
+"""A store's counters. The parts that count (the readers, the buffer pool) get
 this object and bump it through its methods, which several threads call at once."""
 
 from __future__ import annotations
