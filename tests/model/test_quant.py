@@ -141,7 +141,9 @@ def test_a_safetensors_model_is_quantized_on_load(tiny_folder):
         ref.lm_head.weight.copy_(q.lm_head.q.float() * q.lm_head.scales.float()[:, None])
     ids = list(range(3, 40))
     a, b = logits_of(ref, ids), logits_of(q, ids)
-    assert (a - b).abs().max().item() < 0.05 * a.abs().max().item()
+    # both round every op to bfloat16, in different orders: under 5% of the largest logit
+    # alone, 5.1% after this file's other tests; a wrong mapping of the weights is off by ~100%
+    assert (a - b).abs().max().item() < 0.1 * a.abs().max().item()
 
 
 def _unfused(model):
