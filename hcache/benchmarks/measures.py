@@ -4,14 +4,12 @@ attention over a long context against this CPU's matmul peak."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from hcache import demo, omp
 from hcache.engine.generate import ChatSession
@@ -19,7 +17,7 @@ from hcache.engine.sampler import SamplingParams
 from hcache.model.attention import causal_attention
 from hcache.model.base import DecoderModel
 from hcache.model.loader import load
-from hcache.model.quality import logits_of
+from hcache.model.quality import logits_of, perplexity_of
 from hcache.model.quant import WEIGHT_MODES
 from hcache.model.tokenizer import Tokenizer
 from hcache.restore.profiler import median_ms
@@ -45,7 +43,7 @@ def perplexities(dtype: str, llama: Callable[[int], Any]) -> dict[str, Any]:
         for kv in (None, torch.bfloat16) if dtype == "float32" else (None,):  # `--kv-dtype bfloat16`
             name = f"hcache {mode}" + (", bfloat16 KV" if kv else "")
             logits = omp.on_worker(lambda m=model, kv=kv: logits_of(m, ids, kv))
-            out[name] = math.exp(F.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item())
+            out[name] = perplexity_of(logits, ids)
             out["max_logit_err"][name] = (logits - oracle).abs().max().item()
             got = omp.on_worker(lambda m=model, kv=kv: _demo_replies(m, lm.tokenizer, kv))
             out["demo_chat"][name] = _token_diff(replies, got)

@@ -21,7 +21,10 @@ def logits_of(model: DecoderModel, ids: list[int], kv_dtype: torch.dtype | None 
 
 
 def perplexity(model: DecoderModel, ids: list[int], kv_dtype: torch.dtype | None = None) -> float:
+    return perplexity_of(logits_of(model, ids, kv_dtype), ids)
+
+
+def perplexity_of(logits: torch.Tensor, ids: list[int]) -> float:
     """exp of the mean negative log-likelihood of each token after the first."""
-    logits = logits_of(model, ids, kv_dtype)
     nll = F.cross_entropy(logits[:-1], torch.tensor(ids[1:], device=logits.device))
     return math.exp(nll.item())
