@@ -72,27 +72,36 @@ def layer_costs(geom: Geometry, prof: Profile, n: int, cap_gbps: float | None = 
     }
 
 
+# the two streams after some layers: (io_done, compute_done, io_total, compute_total) in ms
+Streams = tuple[float, float, float, float]
+
+
 def simulate(methods: list[Method] | tuple[Method, ...], costs: dict[Method, LayerCost]) -> tuple[float, float, float]:
     """(io_ms, compute_ms, makespan_ms) of executing layers in index order on the two streams."""
+    reads = any(m != Method.RECOMPUTE for m in methods)
+    s = _start(methods, costs)
+    for m in methods:
+        s = _advance(s, m, costs, reads)
+    return s[2], s[3], max(s[0], s[1])
+
+
+def _start(methods: list[Method] | tuple[Method, ...], costs: dict[Method, LayerCost]) -> Streams:
     # the restorer plans and issues a plan's reads on the compute thread before anything else
     setup = max((costs[m].setup_ms for m in methods if m != Method.RECOMPUTE), default=0.0)
-    reads = any(m != Method.RECOMPUTE for m in methods)
-    io_done = compute_done = compute_total = setup
-    io_total = 0.0
-    for m in methods:
-        c = costs[m]
-        if m == Method.RECOMPUTE:  # needs only token ids: starts as soon as compute is free
-            ms = c.compute_ms * (c.reading_factor if reads else 1.0)
-            compute_done += ms
-            compute_total += ms
-            continue
-        first = c.first_io_ms if not io_total else 0.0
-        io_done += first + c.io_ms
-        io_total += first
-        compute_done = max(compute_done, io_done) + c.compute_ms
-        io_total += c.io_ms
-        compute_total += c.compute_ms
-    return io_total, compute_total, max(compute_done, io_done)
+    return setup, setup, 0.0, setup
+
+
+def _advance(s: Streams, m: Method, costs: dict[Method, LayerCost], reads: bool) -> Streams:
+    """`s` after one more layer restored by `m` (`reads`: the plan reads any layer)."""
+    io_done, compute_done, io_total, compute_total = s
+    c = costs[m]
+    if m == Method.RECOMPUTE:  # needs only token ids: starts as soon as compute is free
+        ms = c.compute_ms * (c.reading_factor if reads else 1.0)
+        return io_done, compute_done + ms, io_total, compute_total + ms
+    first = c.first_io_ms if not io_total else 0.0
+    io_done += first + c.io_ms
+    compute_done = max(compute_done, io_done) + c.compute_ms
+    return io_done, compute_done, io_total + first + c.io_ms, compute_total + c.compute_ms
 
 
 def johnson_order(n_h: int, n_kv: int, costs: dict[Method, LayerCost]) -> list[Method]:
@@ -187,12 +196,19 @@ def partition_stored(
     first_re = max((i + 1 for i, ks in enumerate(stored) if not ks), default=0)
     best: tuple[tuple[float, int], list[Method], tuple[float, float, float]] | None = None
     for n_re in range(first_re, geom.num_layers + 1):
+        # every layer past the prefix reads (`first_re` covers those that stored nothing);
+        # the pipeline is carried along a layer at a time, not simulated again per choice
         order = [Method.RECOMPUTE] * n_re
+        reads = n_re < geom.num_layers
+        s = _start([kind_method[k] for k in stored[n_re]] if reads else [], costs)
+        for m in order:
+            s = _advance(s, m, costs, reads)
         for ks in stored[n_re:]:
-            options = [kind_method[k] for k in sorted(ks)]
             # one layer's choice: the one that leaves the pipeline earliest from here
-            order.append(min(options, key=lambda m, o=tuple(order): simulate((*o, m), costs)[2]))
-        sim = simulate(order, costs)
+            options = [(m, _advance(s, m, costs, True)) for m in (kind_method[k] for k in sorted(ks))]
+            m, s = min(options, key=lambda o: max(o[1][0], o[1][1]))
+            order.append(m)
+        sim = (s[2], s[3], max(s[0], s[1]))
         key = (sim[2], n_re)
         if best is None or key < best[0]:
             best = (key, order, sim)

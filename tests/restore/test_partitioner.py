@@ -279,3 +279,32 @@ def test_grouped_query_models_store_no_hidden_states_on_any_device(device: str) 
         for tokens in (1024, 16384):
             prof = Profile.hypothetical(geom, d.tflops, gbps, d.mem_gbps, efficiency=EFFICIENCY)
             assert partition(geom, prof, tokens).plan.counts()["hidden"] == 0
+
+
+def test_stored_plans_are_the_greedy_over_whole_simulations() -> None:
+    """`partition_stored` carries the pipeline along a layer at a time; it picks what
+    choosing each layer by simulating the whole plan so far picks, at the same makespan."""
+    from hcache.restore.partitioner import partition_stored
+    from hcache.storage.layout import Kind
+
+    rng = random.Random(5)
+    kinds = [frozenset(), frozenset({Kind.KV}), frozenset({Kind.HIDDEN}), frozenset({Kind.HIDDEN, Kind.KV})]
+    method = {Kind.HIDDEN: Method.HIDDEN, Kind.KV: Method.KV}
+    for _ in range(60):
+        prof, geom = random_profile(rng), rng.choice([SMOL, MHA_7B])
+        n = rng.choice([64, 700, 4096, 8000])
+        stored = [rng.choice(kinds[1:]) if rng.random() < 0.9 else kinds[0] for _ in range(geom.num_layers)]
+        costs = layer_costs(geom, prof, n)
+        first_re = max((i + 1 for i, ks in enumerate(stored) if not ks), default=0)
+        want = None
+        for n_re in range(first_re, geom.num_layers + 1):
+            order = [Method.RECOMPUTE] * n_re
+            for ks in stored[n_re:]:
+                opts = [method[k] for k in sorted(ks)]
+                order.append(min(opts, key=lambda m, o=tuple(order): simulate((*o, m), costs)[2]))
+            key = (simulate(order, costs)[2], n_re)
+            if want is None or key < want[0]:
+                want = (key, order)
+        got = partition_stored(geom, prof, n, stored)
+        assert want is not None and list(got.plan.methods) == want[1]
+        assert got.makespan_ms == want[0][0] == simulate(got.plan.methods, costs)[2]
