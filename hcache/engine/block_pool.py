@@ -10,12 +10,11 @@ from __future__ import annotations
 import bisect
 
 import torch
-import torch.nn.functional as F
 
 from hcache.config import ModelConfig
-from hcache.model.attention import causal_attention
+from hcache.model.attention import causal_attention, decode_mask, key_width
 from hcache.model.base import DecoderModel
-from hcache.model.decode import BLOCK_TOKENS
+from hcache.model.decode import BLOCK_TOKENS, Paged
 
 
 def resident_kv_dtype(choice: str, model: DecoderModel) -> torch.dtype:
@@ -183,30 +182,33 @@ class PagedCache:
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
     ) -> torch.Tensor:
+        if q.shape[0] == 1:  # as a decode step attends (`decode_attention`)
+            return _decode_step([self]).attend(layer, q, k, v, scale)
         self.write(layer, k, v)
         keys, values = self.layer_kv(layer, self.length + q.shape[0])
         return causal_attention(q, keys, values, scale)
 
 
 class BatchCache:
-    """Several sequences in one forward: rows are the sequences' new tokens, in order.
-    Projections and MLPs run once over all rows. A decode step (one token each) attends in
-    one call per layer over the sequences' rows gathered into a padded batch; a forward
-    with several tokens per sequence attends per sequence."""
+    """A decode step of several sequences in one forward: a row (new token) per sequence.
+    Projections and MLPs run once over all rows; attention runs in one call per layer over
+    the sequences' rows in whole key blocks, gathered into a padded batch (one sequence
+    whose blocks are one run: read in place), the same call the compiled step makes."""
 
-    def __init__(self, caches: list[PagedCache], counts: list[int]):
-        self.caches, self.counts = caches, counts
-        self._step: _DecodeStep | None = None
+    def __init__(self, caches: list[PagedCache]):
+        if any(c.pool is not caches[0].pool for c in caches):
+            raise ValueError("a batch's sequences share one pool")
+        self.caches = caches
+        self._step: Paged | None = None
 
     def begin(self, n: int, start: int | None = None) -> None:
         if start is not None:
             raise ValueError("a batch's sequences start after their own committed tokens")
-        if n != sum(self.counts):
-            raise ValueError(f"{n} rows for {sum(self.counts)} tokens")
-        for c, t in zip(self.caches, self.counts, strict=True):
-            c.begin(t)
-        one_pool = all(c.pool is self.caches[0].pool for c in self.caches)
-        self._step = _DecodeStep(self.caches) if len(self.caches) > 1 and set(self.counts) == {1} and one_pool else None
+        if n != len(self.caches):
+            raise ValueError(f"{n} rows for {len(self.caches)} sequences")
+        for c in self.caches:
+            c.begin(1)
+        self._step = _decode_step(self.caches)
 
     def commit(self) -> None:
         for c in self.caches:
@@ -216,48 +218,26 @@ class BatchCache:
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
     ) -> torch.Tensor:
-        if self._step is not None:
-            return self._step.attend(layer, q, k, v, scale)
-        out, row = [], 0
-        for c, t in zip(self.caches, self.counts, strict=True):
-            out.append(c.attend(layer, q[row : row + t], k[row : row + t], v[row : row + t], scale))
-            row += t
-        return torch.cat(out) if len(out) > 1 else out[0]
+        assert self._step is not None, "attend outside begin/commit"
+        return self._step.attend(layer, q, k, v, scale)
 
 
-class _DecodeStep:
-    """One new token per sequence: where each goes in the pool, and every sequence's rows
-    gathered (padded to the longest, padding masked) for one attention call per layer."""
-
-    def __init__(self, caches: list[PagedCache]):
-        self.pool = caches[0].pool
-        dev = self.pool.device
-        lengths = [c.length + 1 for c in caches]
-        self.width = max(lengths)
-        self.write_rows = torch.cat([c.rows(c.length, 1) for c in caches])
-        gathered = []
-        for c, n in zip(caches, lengths, strict=True):
-            rows = c.rows(0, n)
-            if n < self.width:
-                rows = torch.cat([rows, rows[-1:].expand(self.width - n)])
-            gathered.append(rows)
-        self.gather = torch.cat(gathered)
-        self.mask: torch.Tensor | None = None
-        if min(lengths) < self.width:
-            span = torch.arange(self.width, device=dev)
-            self.mask = (span[None, :] < torch.tensor(lengths, device=dev)[:, None])[:, None, None, :]
-
-    def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
-    ) -> torch.Tensor:
-        pk, pv = self.pool.k[layer], self.pool.v[layer]
-        pk.index_copy_(0, self.write_rows, k.to(pk.dtype))
-        pv.index_copy_(0, self.write_rows, v.to(pv.dtype))
-        b, kvh, d = q.shape[0], k.shape[1], k.shape[2]
-        keys = pk.index_select(0, self.gather).view(b, self.width, kvh, d).transpose(1, 2)
-        values = pv.index_select(0, self.gather).view(b, self.width, kvh, d).transpose(1, 2)
-        # a KV head's query heads as that head's query rows: K/V are not repeated per head
-        # in the pool's dtype (a bfloat16 pool under float32 activations: q is cast, not K/V)
-        qg = q.to(pk.dtype).view(b, kvh, -1, d)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.mask, scale=scale)
-        return out.reshape(b, -1).to(q.dtype)
+def _decode_step(caches: list[PagedCache]) -> Paged:
+    """Where each sequence's new token goes in the pool, and its rows (whole key blocks,
+    the rows past it masked) as the attention's keys."""
+    pool, dev = caches[0].pool, caches[0].pool.device
+    kvh, d = pool.cfg.num_kv_heads, pool.cfg.head_dim
+    lengths = [c.length + 1 for c in caches]
+    width = key_width(max(lengths))
+    write_rows = torch.cat([c.rows(c.length, 1) for c in caches])
+    mask = decode_mask(torch.tensor(lengths, device=dev), width)
+    one = caches[0]
+    if len(caches) == 1 and one.contiguous:
+        start = one.blocks[0] * BLOCK_TOKENS
+        return Paged(pool.k, pool.v, write_rows, lambda p: p.narrow(0, start, width).view(1, width, kvh, d), mask)
+    gathered = []
+    for c, n in zip(caches, lengths, strict=True):
+        rows = c.rows(0, key_width(n))
+        gathered.append(torch.cat([rows, rows[-1:].expand(width - rows.shape[0])]) if rows.shape[0] < width else rows)
+    gather, b = torch.cat(gathered), len(caches)
+    return Paged(pool.k, pool.v, write_rows, lambda p: p.index_select(0, gather).view(b, width, kvh, d), mask)

@@ -93,7 +93,7 @@ class Engine(ClusterTurns):
         self.runner = Runner(model, store, self.cfg)
         if self.runner.graph is not None:  # compiled now, so that no request waits for it
             graph = self.runner.graph
-            omp.on_worker(lambda: graph.warm(self.pool.k, self.pool.v, self.pool.num_blocks - 1))
+            omp.on_worker(lambda: graph.warm(kv_dtype))
         self._wake = threading.Event()
         self.chunks: ClusterChunks | None = None
         if cluster is not None and cluster.tier is not None:

@@ -116,7 +116,7 @@ class Runner:
             graph_ms = (time.perf_counter() - t1) * 1e3
         else:
             tokens = torch.tensor([q.generated[-1] for q in batch], device=m.device)
-            h = m(tokens, torch.tensor(positions, device=m.device), BatchCache(caches, [1] * len(batch)), staged.hidden)
+            h = m(tokens, torch.tensor(positions, device=m.device), BatchCache(caches), staged.hidden)
             logits = m.logits(h)
         finish_decode(self.store, staged, caches, positions, new_kv)
         out = []

@@ -15,6 +15,7 @@ class KVCache:
     """Per-layer K and V, token-major `[capacity, n_kv_heads, head_dim]`, grown by doubling."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", capacity: int = 256):
+        capacity = key_width(capacity)
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
@@ -24,7 +25,8 @@ class KVCache:
         self.v = [self._empty(capacity) for _ in range(cfg.num_layers)]
 
     def _empty(self, n: int) -> torch.Tensor:
-        return torch.empty(n, self.cfg.num_kv_heads, self.cfg.head_dim, dtype=self.dtype, device=self.device)
+        # zeros: a decode step reads (masked) rows past `length`, and 0 * NaN would leak through
+        return torch.zeros(n, self.cfg.num_kv_heads, self.cfg.head_dim, dtype=self.dtype, device=self.device)
 
     @property
     def capacity(self) -> int:
@@ -35,7 +37,7 @@ class KVCache:
         need = self.length + n
         if need <= self.capacity:
             return
-        cap = max(need, 2 * self.capacity)
+        cap = key_width(max(need, 2 * self.capacity))
         for store in (self.k, self.v):
             for i, old in enumerate(store):
                 new = self._empty(cap)
@@ -78,8 +80,42 @@ class KVCache:
         """q `[T, H, D]`, k/v `[T, KvH, D]` for the new tokens; returns `[T, H*D]`."""
         t = q.shape[0]
         self.write(layer, k, v)
+        if t == 1:
+            n = self.length + 1
+            keys, values = self.layer_kv(layer, key_width(n))
+            mask = decode_mask(torch.tensor([n], device=q.device), keys.shape[0])
+            return decode_attention(q, keys[None], values[None], mask, scale)
         keys, values = self.layer_kv(layer, self.length + t)
         return causal_attention(q, keys, values, scale)
+
+
+KEY_BLOCK = 64  # a decode step attends over whole blocks of this many keys
+
+
+def key_width(n: int) -> int:
+    """Keys a decode step over `n` tokens reads: `n` rounded up to whole key blocks."""
+    return -(-n // KEY_BLOCK) * KEY_BLOCK
+
+
+def decode_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """Which of `width` key rows each of the sequences of `lengths` `[B]` attends to: `[B, 1, 1, width]`."""
+    return (torch.arange(width, device=lengths.device)[None, :] < lengths[:, None])[:, None, None, :]
+
+
+def decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """One new token per sequence: q `[B, H, D]` over keys/values `[B, W, KvH, D]`, W whole key
+    blocks, the rows past each sequence masked (`decode_mask`); returns `[B, H*D]`.
+    Every decode path (alone or batched, eager or compiled) comes here so that a sequence's
+    bits do not depend on its batch: torch's CPU flash kernel rounds by how a row's keys fall
+    into its vector lanes and tail, so an exact width differs from a padded one, while whole
+    blocks padded further with masked keys agree. A KV head's query heads are that head's
+    query rows (K/V never repeated), in the keys' dtype (q is cast, not the cache)."""
+    b, _, kvh, d = keys.shape
+    qg = q.to(keys.dtype).view(b, kvh, -1, d)
+    out = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale)
+    return out.reshape(b, -1).to(q.dtype)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:

@@ -3,8 +3,9 @@ through every layer and the LM head in one graph.
 
 K/V live in per-layer pools of 64-token blocks, token-major `[rows, kv_heads, head_dim]`;
 a sequence's blocks are a row of a block table. Inside the graph each layer writes the
-new token's K/V to its pool row, gathers every sequence's rows (padded to the longest,
-the padding masked) and attends in one call, a KV head's query heads as that head's
+new token's K/V to its pool row, gathers every sequence's rows in whole key blocks
+(padded to the longest, the padding masked) and attends in one call (`decode_attention`:
+a sequence's bits do not depend on its batch), a KV head's query heads as that head's
 query rows so K/V are never repeated. Eager, the same step is about 450 small ops and
 their Python dispatch; compiled, inductor fuses the elementwise chains around the
 matmul kernels and the step pays one guard check.
@@ -20,13 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from hcache.model.attention import KEY_BLOCK, decode_attention, decode_mask, key_width
 from hcache.model.base import DecoderModel
 
 log = logging.getLogger(__name__)
 
-BLOCK_TOKENS = 64  # tokens per block of the engine's pool (engine/block_pool.py)
+BLOCK_TOKENS = KEY_BLOCK  # tokens per block of the engine's pool (engine/block_pool.py)
 
 
 @dataclass
@@ -36,10 +37,11 @@ class StepOut:
     kv: torch.Tensor  # [L, B, 2, kv_dim]: each layer's new K then V as the pool holds them (the KV store's rows)
 
 
-class _Paged:
-    """The cache contract (model/cache.py) inside a traced step: `rows` `[B]` is where each
-    sequence's new K/V go, `keys(pool)` its K/V rows `[B, width, kv_heads, head_dim]`
-    (the new token's included) and `mask` which of them it attends to (None: all)."""
+class Paged:
+    """The cache contract (model/cache.py) for one decode step over per-layer pools `k`, `v`
+    (eager, or inside the traced step): `rows` `[B]` is where each sequence's new K/V go,
+    `keys(pool)` its K/V rows `[B, width, kv_heads, head_dim]` (whole key blocks, the new
+    token's included) and `mask` which of them it attends to (`decode_mask`)."""
 
     def __init__(
         self,
@@ -47,7 +49,7 @@ class _Paged:
         v: list[torch.Tensor],
         rows: torch.Tensor,
         keys: Callable[[torch.Tensor], torch.Tensor],
-        mask: torch.Tensor | None,
+        mask: torch.Tensor,
     ):
         self.k, self.v, self.rows, self.keys, self.mask = k, v, rows, keys, mask
         self.new: list[torch.Tensor] = []  # per layer, the rows written: [B, 2, kv_dim]
@@ -62,19 +64,15 @@ class _Paged:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
     ) -> torch.Tensor:
         pk, pv = self.k[layer], self.v[layer]
-        pk.index_copy_(0, self.rows, k.to(pk.dtype))
-        pv.index_copy_(0, self.rows, v.to(pv.dtype))
-        self.new.append(torch.stack((k.to(pk.dtype), v.to(pv.dtype)), 1).flatten(2))
-        b, kvh, d = q.shape[0], k.shape[1], k.shape[2]
-        keys, values = self.keys(pk).transpose(1, 2), self.keys(pv).transpose(1, 2)
-        # in the pool's dtype (a bfloat16 pool under float32 activations: q is cast, not K/V)
-        qg = q.to(pk.dtype).view(b, kvh, -1, d)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.mask, scale=scale)
-        return out.reshape(b, -1).to(q.dtype)
+        k, v = k.to(pk.dtype), v.to(pv.dtype)
+        pk.index_copy_(0, self.rows, k)
+        pv.index_copy_(0, self.rows, v)
+        self.new.append(torch.stack((k, v), 1).flatten(2))
+        return decode_attention(q, self.keys(pk), self.keys(pv), self.mask, scale)
 
 
 def _forward(
-    model: DecoderModel, tokens: torch.Tensor, positions: torch.Tensor, cache: _Paged
+    model: DecoderModel, tokens: torch.Tensor, positions: torch.Tensor, cache: Paged
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     h = model.embed(tokens, positions)
     pos = model.pos_context(positions)
@@ -91,15 +89,17 @@ def _step_one(
     positions: torch.Tensor,
     k: list[torch.Tensor],
     v: list[torch.Tensor],
-    end: int,
+    start: int,
+    length: int,
     width: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One sequence whose `width` rows (its new token's last) end before pool row `end`:
-    attention reads them where they lie."""
-    start = end - width
-    rows = torch.full((1,), end - 1, dtype=torch.long, device=tokens.device)
+    """One sequence whose rows are pool rows `start..start+width` (whole key blocks), of
+    which the first `length` are held and the next takes the new token's K/V: attention
+    reads them where they lie."""
+    rows = torch.full((1,), start + length, dtype=torch.long, device=tokens.device)
     kvh, d = k[0].shape[1:]
-    cache = _Paged(k, v, rows, lambda pool: pool.narrow(0, start, width).view(1, width, kvh, d), None)
+    mask = decode_mask(torch.full((1,), length + 1, device=tokens.device), width)
+    cache = Paged(k, v, rows, lambda pool: pool.narrow(0, start, width).view(1, width, kvh, d), mask)
     return _forward(model, tokens, positions, cache)
 
 
@@ -111,18 +111,19 @@ def _step_batch(
     table: torch.Tensor,
     k: list[torch.Tensor],
     v: list[torch.Tensor],
-    width: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sequences of `lengths` `[B]` rows before this token, their blocks a row of `table`
-    `[B, blocks]` (padded with any valid block); `width`: the longest with its new token.
-    Each layer gathers every sequence's rows, padded to `width`, the padding masked."""
+    `[B, blocks]` (as many blocks as the longest needs with its new token, shorter rows
+    padded with any valid block). Each layer gathers every sequence's rows, the table's
+    whole width, the rows past each sequence masked."""
     b, dev = tokens.shape[0], tokens.device
     kvh, d = k[0].shape[1:]
     all_rows = (table[:, :, None] * BLOCK_TOKENS + torch.arange(BLOCK_TOKENS, device=dev)).view(b, -1)
-    flat = all_rows[:, :width].reshape(-1)
+    width = all_rows.shape[1]
+    flat = all_rows.reshape(-1)
     rows = all_rows.gather(1, lengths[:, None]).view(b)
-    mask = (torch.arange(width, device=dev)[None, :] <= lengths[:, None])[:, None, None, :]
-    cache = _Paged(k, v, rows, lambda pool: pool.index_select(0, flat).view(b, width, kvh, d), mask)
+    mask = decode_mask(lengths + 1, width)
+    cache = Paged(k, v, rows, lambda pool: pool.index_select(0, flat).view(b, width, kvh, d), mask)
     return _forward(model, tokens, positions, cache)
 
 
@@ -157,14 +158,15 @@ class DecodeGraph:
         n = len(tokens)
         with torch.inference_mode():
             if n == 1 and blocks[0][-1] - blocks[0][0] == len(blocks[0]) - 1:
-                end = blocks[0][0] * BLOCK_TOKENS + lengths[0] + 1
                 t, pos = torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev)
-                logits, hidden, kv = self._one(self.model, t, pos, k, v, end, lengths[0] + 1)
+                start, width = blocks[0][0] * BLOCK_TOKENS, key_width(lengths[0] + 1)
+                logits, hidden, kv = self._one(self.model, t, pos, k, v, start, lengths[0], width)
                 return StepOut(logits, hidden, kv)
             if n == 1:
                 tokens, positions, lengths, blocks = tokens * 2, positions * 2, lengths * 2, blocks * 2
-            cols = max(2, *(len(b) for b in blocks))  # never 1: that size would get a graph of its own
-            table = torch.tensor([b + b[-1:] * (cols - len(b)) for b in blocks], device=dev)
+            # never 1 column: that size would get a graph of its own (a masked block is free of effect)
+            cols = max(2, key_width(max(lengths) + 1) // BLOCK_TOKENS)
+            table = torch.tensor([(b + b[-1:] * cols)[:cols] for b in blocks], device=dev)
             logits, hidden, kv = self._batch(
                 self.model,
                 torch.tensor(tokens, device=dev),
@@ -173,20 +175,24 @@ class DecodeGraph:
                 table,
                 k,
                 v,
-                max(lengths) + 1,
             )
         return StepOut(logits[:n], hidden[:, :n], kv[:, :n])
 
-    def warm(self, k: list[torch.Tensor], v: list[torch.Tensor], free_block: int) -> float:
-        """Compile both graphs now, on rows of one free pool block (written and left as
-        garbage: a free block holds nothing). Returns the seconds it took."""
+    def warm(self, kv_dtype: torch.dtype) -> float:
+        """Compile both graphs now, on a scratch pool of `kv_dtype` (the serving pool's
+        rows are not touched). Returns the seconds it took."""
         t0 = time.perf_counter()
+        cfg, dev = self.model.cfg, self.model.device
+        shape = (11 * BLOCK_TOKENS, cfg.num_kv_heads, cfg.head_dim)
+        k = [torch.zeros(shape, dtype=kv_dtype, device=dev) for _ in range(cfg.num_layers)]
+        v = [torch.zeros(shape, dtype=kv_dtype, device=dev) for _ in range(cfg.num_layers)]
         # compile even where serving already refuses to (`serve_compiled_only`: a later engine)
         with torch.compiler.set_stance("default"):
-            for n in (2, 3):  # two values of each size, so that none is compiled as a constant
-                self([0], [n], [n], [[free_block]], k, v)
-                # sizes that differ from each other, so none is assumed equal to another
-                self([0] * n, [n] * n, [n] * n, [[free_block] * (n + 2)] * n, k, v)
+            # two values of each size, none equal to another (nor 0 or 1), so that none is
+            # compiled as a constant or assumed equal to another
+            for n, first, length in ((2, 5, 100), (3, 7, 130)):
+                self([0], [length], [length], [list(range(first, first + 3))], k, v)
+                self([0] * n, [length] * n, [length] * n, [list(range(first - 4, first - 4 + n + 2))] * n, k, v)
         took = time.perf_counter() - t0
         log.info("decode step compiled in %.1f s", took)
         return took
