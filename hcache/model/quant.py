@@ -136,7 +136,10 @@ def int8_rows_mm(x: torch.Tensor, handle: int) -> torch.Tensor:
     passes: the row at its own scale, then what that left over at the remainder's scale,
     about 15 bits where one pass (7) moved the shipped text's perplexity by 0.3%. Both
     passes go in one call: it costs about the same at 2 rows as at 1. The integer sums are
-    exact and the activation scale is 1, so each output is `sum * row_scale`, rounded once."""
+    exact and the activation scale is 1, so each output is `sum * row_scale`, rounded once.
+    Activations go in as uint8 around a zero point of 128: VNNI multiplies only unsigned by
+    signed bytes, and oneDNN ran signed activations on a reference path there (an AMD EPYC
+    without AMX: 0.96 s for one row; uint8: 0.37 ms, the same bits)."""
     packed, scales, zeros = _ONEDNN[handle]
     x = x.float()
     m = x.shape[0]
@@ -147,7 +150,7 @@ def int8_rows_mm(x: torch.Tensor, handle: int) -> torch.Tensor:
     s2 = rest.abs().amax(1, keepdim=True).div_(127).clamp_min_(1e-30)
     torch.div(rest, s2, out=q[m:]).round_().clamp_(-127, 127)
     y = torch.ops.onednn.qlinear_pointwise(
-        q.to(torch.int8), 1.0, 0, packed, scales, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+        q.add_(128).to(torch.uint8), 1.0, 128, packed, scales, zeros, None, 1.0, 0, torch.float32, "none", [], ""
     )
     return y[:m].mul_(s1).add_(y[m:].mul_(s2))
 
