@@ -233,7 +233,7 @@ class EngineConfig:
         choices=("auto", "kv", "hidden", "both", "none"),
     )
     kv_dtype: str = setting(
-        "model",
+        "auto",
         "the resident KV's dtype (model: the activations'; bfloat16: half the bytes of float32, attended in "
         "bfloat16; auto: bfloat16 under int4 weights, else model)",
         choices=("auto", "model", "bfloat16"),
@@ -287,7 +287,7 @@ class Config:
     model: str = setting("default", "'default' (SmolLM2-135M-Instruct GGUF), a .gguf file or an HF folder")
     dtype: str = setting("float32", "weights and activations", choices=("float32", "bfloat16"))
     weights: str = setting(
-        "float",
+        "auto",
         "float: dequantized (the oracle); int4: packed int4 linears and int8 embedding/head on CPUs; "
         "auto: int4 on a CPU for a GGUF file whose linears are all Q4_1, else float",
         choices=("auto", "float", "int4"),

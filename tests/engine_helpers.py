@@ -45,7 +45,7 @@ def make_engine(
 ) -> tuple[Engine, ChunkStore]:
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
-    kv_dtype = resident_kv_dtype(str(cfg.get("kv_dtype", "model")), model)
+    kv_dtype = resident_kv_dtype(str(cfg.get("kv_dtype", "auto")), model)
     store = ChunkStore(
         StorageConfig([str(d) for d in dirs], **(storage or {})), model.cfg, model.dtype, str(model.device), kv_dtype
     )

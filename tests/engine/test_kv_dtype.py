@@ -96,8 +96,8 @@ def test_a_store_of_the_other_kv_dtype_is_refused(tmp_path, tiny_folder):
         store.close()
 
 
-def test_the_fast_mode_matches_its_reference(default_model, tmp_path):
-    """The default model as the peers benchmark serves it (`--weights auto`: int4 weights, fused
+def test_the_serving_default_matches_its_reference(default_model, tmp_path):
+    """The default model as `hcache serve` serves it (`--weights auto`: int4 weights, fused
     projections, the oneDNN head; `--kv-dtype auto`: a bfloat16 KV pool; the compiled decode
     step): two sessions decoding together, then turns after KV, H and RE restores, give the
     greedy tokens of a never-evicted eager run over a bfloat16 cache."""
@@ -106,7 +106,7 @@ def test_the_fast_mode_matches_its_reference(default_model, tmp_path):
     model = load("default", "float32", weights="auto").model
     assert model.layers[0].wqkv is not None and model.lm_head.packed_bytes
     tok = word_tokenizer(model.cfg.vocab_size)
-    eng, store = make_engine(model, tok, [tmp_path / "s"], kv_dtype="auto", decode="compiled")
+    eng, store = make_engine(model, tok, [tmp_path / "s"], decode="compiled")
     assert eng.pool.dtype == torch.bfloat16
     try:
         rng = random.Random(4)

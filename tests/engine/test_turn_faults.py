@@ -141,7 +141,7 @@ class Server:
         self.port = free_port()
         cmd = [sys.executable, "-m", "hcache.cli", "serve", "--port", str(self.port), "--http-port", "-1"]
         cmd += ["--dirs", str(tmp_path / "d0"), str(tmp_path / "d1"), "--profile", str(profile)]
-        cmd += ["--restore-method", method, "--kv-budget-mb", "512"]
+        cmd += ["--restore-method", method, "--kv-budget-mb", "512", "--weights", "float"]  # the reference's
         env = {**os.environ, "HCACHE_HOME": str(tmp_path / "home")}
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.target = f"127.0.0.1:{self.port}"

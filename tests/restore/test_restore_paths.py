@@ -18,7 +18,7 @@ from hcache.restore.executor import moved_by_buffer, restore
 from hcache.restore.plan import Method, Plan
 from hcache.restore.state import MemoryState
 
-# the fast mode on the default model (`--weights auto`: int4), and a tiny model quantized on load
+# the serving default on the default model (`--weights auto`: int4), and a tiny model quantized on load
 MODELS = [*TINY, "default", "default-int4", "llama_gqa-int4"]
 REL = 1e-5
 # A recompute runs a session in one pass where the forward ran it turn by turn, so it rounds
@@ -117,7 +117,7 @@ def test_random_mixed_plans_and_continuation(model: DecoderModel) -> None:
 def test_int4_weights_restore_within_rounding(default_model, method: Method) -> None:
     """On packed int4 weights in bfloat16 activations the H path projects with the forward's
     kernel. (RE here moves K/V by up to 13 bfloat16 roundings, every op rounding to bfloat16:
-    not the fast mode's bound; the float32 fast mode's RE is in the `model` tests.)"""
+    not a served mode's bound; the float32 served mode's RE is in the `model` tests.)"""
     model = _int4()
     state, _ = chat_like(model)
     plan = Plan.uniform(model.cfg.num_layers, method)

@@ -114,6 +114,7 @@ def test_a_replica_killed_mid_turn_is_taken_over_exactly(default_model, redis_cl
     port = free_port()
     cmd = [sys.executable, "-m", "hcache.cli", "serve", "--port", str(port), "--profile", str(prof)]
     cmd += ["--dirs", str(tmp_path / "killed"), "--kv-budget-mb", "256", "--http-port", "-1", "--store-kinds", "both"]
+    cmd += ["--weights", "float"]  # the other replicas' model
     cmd += ["--cluster", redis_cluster.url, "--lease-ms", str(LEASE_MS), "--replica-name", "replica-killed"]
     env = {**os.environ, "HCACHE_HOME": str(tmp_path / "home")}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
