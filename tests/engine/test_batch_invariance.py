@@ -22,7 +22,7 @@ LENGTHS = [37, 5, 130, 63, 700, 64, 1100]
 def fast() -> DecoderModel:
     """The fast mode (int4 weights, a bfloat16 pool), whose int4 and int8 kernels round a row
     alike in any batch. (Float32 linears do not: MKL rounds one row, a GEMV, otherwise than
-    the same row in a GEMM; attention alone is checked in both dtypes in test_block_pool.)"""
+    the same row in a GEMM; attention is checked in both dtypes in test_block_pool.)"""
     if torch.device(DEVICE).type != "cpu":
         pytest.skip("int4 weights run on CPUs")
     return load("default", "float32", weights="int4").model
