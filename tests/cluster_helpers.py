@@ -47,19 +47,22 @@ class RedisCluster:
         self.root, self.maxmemory_mb = root, maxmemory_mb
         self.ports = cluster_ports(masters)
         self.procs: dict[int, subprocess.Popen] = {}
-        for p in self.ports:
-            self.start_node(p)
-        nodes = [f"127.0.0.1:{p}" for p in self.ports]
-        out = subprocess.run(
-            ["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        if out.returncode != 0:
+        try:  # a node that failed leaves none running (a failed CI run left two)
+            for p in self.ports:
+                self.start_node(p)
+            nodes = [f"127.0.0.1:{p}" for p in self.ports]
+            out = subprocess.run(
+                ["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            if out.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed:\n{out.stdout}\n{out.stderr}")
+            self.wait_ok()
+        except BaseException:
             self.stop()
-            raise RuntimeError(f"redis-cli --cluster create failed:\n{out.stdout}\n{out.stderr}")
-        self.wait_ok()
+            raise
 
     @property
     def url(self) -> str:
