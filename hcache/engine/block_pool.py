@@ -97,6 +97,7 @@ class PagedCache:
         self.length = 0
         self._pending = 0
         self._rows = torch.empty(0, dtype=torch.long, device=pool.device)  # token position -> pool row
+        self._one: Paged | None = None  # a one-token forward's attention, for its layers
 
     @property
     def capacity(self) -> int:
@@ -123,10 +124,12 @@ class PagedCache:
             self.length = start
         self.reserve(n)
         self._pending = n
+        self._one = None
 
     def commit(self) -> None:
         self.length += self._pending
         self._pending = 0
+        self._one = None
 
     def _span(self, start: int, n: int) -> slice | torch.Tensor:
         if self.contiguous:
@@ -182,8 +185,10 @@ class PagedCache:
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
     ) -> torch.Tensor:
-        if q.shape[0] == 1:  # as a decode step attends (`decode_attention`)
-            return _decode_step([self]).attend(layer, q, k, v, scale)
+        if q.shape[0] == 1:  # as a decode step attends (`decode_attention`), set up once per forward
+            if self._one is None:
+                self._one = _decode_step([self])
+            return self._one.attend(layer, q, k, v, scale)
         self.write(layer, k, v)
         keys, values = self.layer_kv(layer, self.length + q.shape[0])
         return causal_attention(q, keys, values, scale)

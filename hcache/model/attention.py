@@ -21,6 +21,7 @@ class KVCache:
         self.device = torch.device(device)
         self.length = 0  # tokens committed in every layer
         self._pending = 0  # tokens of the forward in progress
+        self._mask: torch.Tensor | None = None  # a one-token forward's `decode_mask`, for its layers
         self.k = [self._empty(capacity) for _ in range(cfg.num_layers)]
         self.v = [self._empty(capacity) for _ in range(cfg.num_layers)]
 
@@ -50,10 +51,12 @@ class KVCache:
             self.length = start
         self.reserve(n)
         self._pending = n
+        self._mask = None
 
     def commit(self) -> None:
         self.length += self._pending
         self._pending = 0
+        self._mask = None
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int | None = None) -> None:
         s = self.length if start is None else start
@@ -83,8 +86,9 @@ class KVCache:
         if t == 1:
             n = self.length + 1
             keys, values = self.layer_kv(layer, key_width(n))
-            mask = decode_mask(torch.tensor([n], device=q.device), keys.shape[0])
-            return decode_attention(q, keys[None], values[None], mask, scale)
+            if self._mask is None:
+                self._mask = decode_mask(torch.tensor([n], device=q.device), keys.shape[0])
+            return decode_attention(q, keys[None], values[None], self._mask, scale)
         keys, values = self.layer_kv(layer, self.length + t)
         return causal_attention(q, keys, values, scale)
 
