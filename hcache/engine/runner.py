@@ -20,7 +20,7 @@ from hcache.engine.sampler import Sampler
 from hcache.engine.saver import Saver, finish_decode
 from hcache.engine.sequence import Phase, Sequence
 from hcache.model.base import DecoderModel
-from hcache.model.decode import DecodeGraph
+from hcache.model.decode import DecodeGraph, StepOut
 from hcache.restore.plan import Plan
 from hcache.restore.state import StateSource
 from hcache.storage.hydrate import Fetched
@@ -109,16 +109,17 @@ class Runner:
             caches.append(q.session.cache)
         positions = [q.position for q in batch]
         staged = self.store.acquire([(q.session.id, q.position - q.session.base, 1) for q in batch])
-        new_kv = None
+        step = None
         if self.graph is not None:
             t1 = time.perf_counter()
-            logits, new_kv = self._graph_step(batch, caches, positions, staged.hidden)
+            out = self._graph_step(batch, caches, positions)
             graph_ms = (time.perf_counter() - t1) * 1e3
+            logits, step = out.logits, (out.hidden, out.kv)
         else:
             tokens = torch.tensor([q.generated[-1] for q in batch], device=m.device)
             h = m(tokens, torch.tensor(positions, device=m.device), BatchCache(caches), staged.hidden)
             logits = m.logits(h)
-        finish_decode(self.store, staged, caches, positions, new_kv)
+        finish_decode(self.store, staged, caches, positions, step)
         out = []
         for i, q in enumerate(batch):
             q.session.tokens.append(q.generated[-1])
@@ -127,10 +128,7 @@ class Runner:
         self.step_ms.append(((time.perf_counter() - t0) * 1e3, graph_ms))
         return out
 
-    def _graph_step(
-        self, batch: list[Sequence], caches: list[PagedCache], positions: list[int], hidden: dict[int, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits `[B, vocab]` and the new K/V `[L, B, 2, kv_dim]`."""
+    def _graph_step(self, batch: list[Sequence], caches: list[PagedCache], positions: list[int]) -> StepOut:
         assert self.graph is not None
         for c in caches:
             c.reserve(1)
@@ -141,6 +139,4 @@ class Runner:
         )  # fmt: skip
         for c in caches:
             c.length += 1
-        for layer, dst in hidden.items():
-            dst.copy_(out.hidden[layer])
-        return out.logits, out.kv
+        return out

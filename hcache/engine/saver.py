@@ -88,14 +88,16 @@ def finish_decode(
     batch: StagedBatch,
     caches: list[PagedCache],
     positions: list[int],
-    new_kv: torch.Tensor | None = None,
+    step: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """A decode step's ring entry (from `store.acquire`, one row per sequence) after the
-    forward wrote its hidden states: each row's new K/V next to them (`new_kv` `[L, B, 2,
-    kv_dim]` when the step returned them, else gathered from the pool), then submit."""
-    if batch.kv and new_kv is not None:
-        for layer, dst in batch.kv.items():
-            dst.copy_(new_kv[layer])
+    """A decode step's ring entry (from `store.acquire`, one row per sequence), then submit.
+    `step`: the compiled step's hidden states `[L, B, hidden]` and new K/V `[L, B, 2, kv_dim]`,
+    one copy per kind into the entry; without it the forward wrote the hidden states and the
+    new K/V rows are gathered from the pool."""
+    if step is not None:
+        for dst, src, layers in ((batch.hidden_all, step[0], batch.hidden), (batch.kv_all, step[1], batch.kv)):
+            if dst is not None:
+                dst.copy_(src if len(layers) == src.shape[0] else src[list(layers)])
     elif batch.kv:
         pool_rows = torch.cat([c.rows(p, 1) for c, p in zip(caches, positions, strict=True)])
         for layer, dst in batch.kv.items():

@@ -34,6 +34,9 @@ class StagedBatch:
     hidden: dict[int, torch.Tensor]  # layer -> [rows, hidden]
     kv: dict[int, torch.Tensor]  # layer -> [rows, 2, kv_dim]
     segments: list[Segment] = field(default_factory=list)
+    # (in the ring) each kind's layers, in order, as one strided view: one copy fills them
+    hidden_all: torch.Tensor | None = None  # [layers, rows, hidden]
+    kv_all: torch.Tensor | None = None  # [layers, rows, 2, kv_dim]
     in_ring: bool = True  # False: rows in the caller's own tensors, held by the batch until packed
     on_packed: Callable[[], None] | None = None  # (not in the ring) told when they are no longer read
 
@@ -71,7 +74,8 @@ class StagingRing:
             Kind.HIDDEN: self.hidden_size * self.dtypes[Kind.HIDDEN].itemsize,
             Kind.KV: 2 * self.kv_dim * self.dtypes[Kind.KV].itemsize,
         }
-        sizes = [(layer, k, num_rows * row_bytes[k]) for layer in sorted(kinds) for k in sorted(kinds[layer])]
+        # kind-major: a kind's slots are equal, so its layers form one strided view
+        sizes = [(layer, k, num_rows * row_bytes[k]) for k in Kind for layer in sorted(kinds) if k in kinds[layer]]
         nbytes = sum(_align(s) for *_, s in sizes)
         if nbytes > self.capacity:
             raise ValueError(f"a batch of {nbytes} bytes does not fit a staging ring of {self.capacity}")
@@ -89,13 +93,20 @@ class StagingRing:
             self.head = start + nbytes
         batch = StagedBatch(start, nbytes, num_rows, {}, {})
         off = start
-        for layer, k, size in sizes:
-            raw = self.buf[off : off + size].view(self.dtypes[k])
+        for k in Kind:
+            layers = [layer for layer, kind, _ in sizes if kind == k]
+            if not layers:
+                continue
+            size = num_rows * row_bytes[k]
+            slots = self.buf[off : off + len(layers) * _align(size)].view(len(layers), _align(size))
+            rows = slots[:, :size].view(self.dtypes[k])
             if k == Kind.HIDDEN:
-                batch.hidden[layer] = raw.view(num_rows, self.hidden_size)
+                batch.hidden_all = rows.view(len(layers), num_rows, self.hidden_size)
+                batch.hidden = dict(zip(layers, batch.hidden_all.unbind(), strict=True))
             else:
-                batch.kv[layer] = raw.view(num_rows, 2, self.kv_dim)
-            off += _align(size)
+                batch.kv_all = rows.view(len(layers), num_rows, 2, self.kv_dim)
+                batch.kv = dict(zip(layers, batch.kv_all.unbind(), strict=True))
+            off += len(layers) * _align(size)
         return batch
 
     def _fit(self, n: int) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import itertools
 import logging
 import sqlite3
 from pathlib import Path
@@ -687,3 +688,26 @@ def test_rows_that_break_alignment_are_copied(tmp_path) -> None:
         r = st.reader("s", [0, 1])
         assert torch.equal(r.get(0), h) and torch.equal(r.get(1), kv)
         assert st.stats.chunks_read_in_place == 0
+
+
+def test_a_staged_batch_fills_each_kind_with_one_copy() -> None:
+    """A ring entry holds a kind's layers as one strided view: filling it fills each layer's rows."""
+    from hcache.storage.staging import StagingRing
+
+    ring = StagingRing(1 << 20, 48, 16, torch.float32, torch.device("cpu"), kv_dtype=torch.bfloat16)
+    layers = {0: Kind.HIDDEN, 1: Kind.KV, 2: {Kind.HIDDEN, Kind.KV}, 4: Kind.HIDDEN}
+    batch = ring.acquire(3, layers)
+    assert list(batch.hidden) == [0, 2, 4] and list(batch.kv) == [1, 2]
+    assert batch.hidden_all is not None and batch.kv_all is not None
+    hidden = torch.randn(3, 3, 48)
+    kv = torch.randn(2, 3, 2, 16).bfloat16()
+    batch.hidden_all.copy_(hidden)
+    batch.kv_all.copy_(kv)
+    for i, layer in enumerate([0, 2, 4]):
+        assert torch.equal(batch.hidden[layer], hidden[i])
+    for i, layer in enumerate([1, 2]):
+        assert torch.equal(batch.kv[layer], kv[i])
+    ends = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in [*batch.hidden.values(), *batch.kv.values()]]
+    assert all(a_end <= b for (_, a_end), (b, _) in itertools.pairwise(sorted(ends)))  # no overlap
+    assert all(lo >= ring.buf.data_ptr() + batch.offset for lo, _ in ends)
+    assert all(hi <= ring.buf.data_ptr() + batch.offset + batch.nbytes for _, hi in ends)
