@@ -220,7 +220,7 @@ class EngineConfig:
     max_batch: int = setting(32, "sequences per decode step")
     decode: str = setting(
         os.environ.get("HCACHE_DECODE", "compiled"),
-        "compiled: the decode step is one torch.compile graph (compiled at start, about a minute); eager: op by op",
+        "compiled: the decode step is one torch.compile graph (compiled at start; cached after); eager: op by op",
         choices=("compiled", "eager"),
     )
     piece_tokens: int = setting(512, "prefill runs in pieces of this many tokens")
