@@ -1,8 +1,9 @@
 """Feeding what forwards produce to the chunk store's two-stage saver.
 
-Decode steps stage the whole batch in one ring entry: the forward writes each
+Decode steps stage the whole batch in one ring entry: the compiled step's hidden
+states and new K/V go in with one copy per kind (the eager forward writes each
 layer's hidden states straight into it and the new K/V rows are gathered next to
-them. A prefill piece spans many engine steps (decode steps run in between), so
+them). A prefill piece spans many engine steps (decode steps run in between), so
 holding a ring entry across them could block the ring behind it; a piece is
 captured into the job's own buffers and staged with one copy when it ends."""
 

@@ -1,7 +1,7 @@
 """Stage 1 of saving: a bounded ring of preallocated memory (pinned on CUDA) that
-takes one copy per layer of a whole batch's rows. A full ring blocks the producer
-(counted as a wait) and never drops data; stage 2 releases entries as it packs
-them, possibly out of order."""
+takes a whole batch's rows, a kind's layers side by side (one copy per kind, or per
+layer). A full ring blocks the producer (counted as a wait) and never drops data;
+stage 2 releases entries as it packs them, possibly out of order."""
 
 from __future__ import annotations
 

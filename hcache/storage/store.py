@@ -166,7 +166,8 @@ class ChunkStore:
     # --- saving -----------------------------------------------------------------
     def acquire(self, segments: list[tuple[str, int, int]]) -> StagedBatch:
         """Stage 1: ring room for a batch whose rows are, in order, `(owner, start_token, n)`.
-        Fill `batch.hidden[layer]` / `batch.kv[layer]` (one copy per layer), then `submit`."""
+        Fill `batch.hidden[layer]` / `batch.kv[layer]`, or each kind's layers at once through
+        `batch.hidden_all` / `batch.kv_all`, then `submit`."""
         need: dict[int, set[Kind]] = defaultdict(set)
         for owner in {owner for owner, *_ in segments}:
             for layer, ks in enumerate(decode_layer_kinds(self.manifest.owner_layer_kinds(owner))):
