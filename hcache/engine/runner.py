@@ -109,12 +109,12 @@ class Runner:
             caches.append(q.session.cache)
         positions = [q.position for q in batch]
         staged = self.store.acquire([(q.session.id, q.position - q.session.base, 1) for q in batch])
-        step = None
+        step: StepOut | None = None
         if self.graph is not None:
             t1 = time.perf_counter()
-            out = self._graph_step(batch, caches, positions)
+            step = self._graph_step(batch, caches, positions)
             graph_ms = (time.perf_counter() - t1) * 1e3
-            logits, step = out.logits, (out.hidden, out.kv)
+            logits = step.logits
         else:
             tokens = torch.tensor([q.generated[-1] for q in batch], device=m.device)
             h = m(tokens, torch.tensor(positions, device=m.device), BatchCache(caches), staged.hidden)

@@ -15,6 +15,7 @@ import torch
 
 from hcache.engine.block_pool import PagedCache
 from hcache.engine.errors import Unavailable
+from hcache.model.decode import StepOut
 from hcache.storage.hydrate import Fetched
 from hcache.storage.layout import Kind, Stored
 from hcache.storage.staging import StagedBatch
@@ -89,14 +90,14 @@ def finish_decode(
     batch: StagedBatch,
     caches: list[PagedCache],
     positions: list[int],
-    step: tuple[torch.Tensor, torch.Tensor] | None = None,
+    step: StepOut | None = None,
 ) -> None:
     """A decode step's ring entry (from `store.acquire`, one row per sequence), then submit.
-    `step`: the compiled step's hidden states `[L, B, hidden]` and new K/V `[L, B, 2, kv_dim]`,
-    one copy per kind into the entry; without it the forward wrote the hidden states and the
-    new K/V rows are gathered from the pool."""
+    `step`: the compiled step's output, whose hidden states and new K/V go in with one copy
+    per kind; without it the forward wrote the hidden states and the new K/V rows are
+    gathered from the pool."""
     if step is not None:
-        for dst, src, layers in ((batch.hidden_all, step[0], batch.hidden), (batch.kv_all, step[1], batch.kv)):
+        for dst, src, layers in ((batch.hidden_all, step.hidden, batch.hidden), (batch.kv_all, step.kv, batch.kv)):
             if dst is not None:
                 dst.copy_(src if len(layers) == src.shape[0] else src[list(layers)])
     elif batch.kv:

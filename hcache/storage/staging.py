@@ -75,8 +75,9 @@ class StagingRing:
             Kind.KV: 2 * self.kv_dim * self.dtypes[Kind.KV].itemsize,
         }
         # kind-major: a kind's slots are equal, so its layers form one strided view
-        sizes = [(layer, k, num_rows * row_bytes[k]) for k in Kind for layer in sorted(kinds) if k in kinds[layer]]
-        nbytes = sum(_align(s) for *_, s in sizes)
+        by_kind = {k: [layer for layer in sorted(kinds) if k in kinds[layer]] for k in Kind}
+        slot = {k: _align(num_rows * row_bytes[k]) for k in Kind}
+        nbytes = sum(len(ls) * slot[k] for k, ls in by_kind.items())
         if nbytes > self.capacity:
             raise ValueError(f"a batch of {nbytes} bytes does not fit a staging ring of {self.capacity}")
         with self.cond:
@@ -93,20 +94,18 @@ class StagingRing:
             self.head = start + nbytes
         batch = StagedBatch(start, nbytes, num_rows, {}, {})
         off = start
-        for k in Kind:
-            layers = [layer for layer, kind, _ in sizes if kind == k]
+        for k, layers in by_kind.items():
             if not layers:
                 continue
-            size = num_rows * row_bytes[k]
-            slots = self.buf[off : off + len(layers) * _align(size)].view(len(layers), _align(size))
-            rows = slots[:, :size].view(self.dtypes[k])
+            slots = self.buf[off : off + len(layers) * slot[k]].view(len(layers), slot[k])
+            rows = slots[:, : num_rows * row_bytes[k]].view(self.dtypes[k])
             if k == Kind.HIDDEN:
                 batch.hidden_all = rows.view(len(layers), num_rows, self.hidden_size)
                 batch.hidden = dict(zip(layers, batch.hidden_all.unbind(), strict=True))
             else:
                 batch.kv_all = rows.view(len(layers), num_rows, 2, self.kv_dim)
                 batch.kv = dict(zip(layers, batch.kv_all.unbind(), strict=True))
-            off += len(layers) * _align(size)
+            off += len(layers) * slot[k]
         return batch
 
     def _fit(self, n: int) -> int | None:
