@@ -1,7 +1,7 @@
 """A bfloat16 KV pool under float32 activations (`--kv-dtype bfloat16`): KV is stored as the
 pool holds it (half the bytes), a KV restore puts back the very bits, H and recompute
 restores round to them, the compiled decode step attends in bfloat16, and greedy turns
-match a never-evicted run over a bfloat16 cache. A store of the other KV dtype is refused."""
+match a never-evicted run over a bfloat16 cache up to near-ties. A store of the other KV dtype is refused."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 from conftest import tload
-from engine_helpers import make_engine, profile_for, reference, turn, word_tokenizer
+from engine_helpers import agrees_up_to_ties, make_engine, profile_for, reference, turn, word_tokenizer
 
 from hcache.config import EngineConfig, StorageConfig
 from hcache.engine.engine import Engine
@@ -64,7 +64,8 @@ def test_a_bfloat16_pool_restores_what_it_held(tmp_path, tiny_folder):
                     assert r.bytes_read == model.cfg.num_layers * num_chunks(n) * chunk
             new = [rng.randrange(300) for _ in range(rng.randrange(20, 70))]
             got, _ = turn(eng, s.id, token_ids=new, params=p)
-            assert got == reference(model, [*history, *new], p, set(), BF16), method
+            # bfloat16 K/V a rounding step apart move this model's logits by a few hundredths
+            agrees_up_to_ties(model, [*history, *new], got, p, BF16, tie=0.05)
             history += [*new, *got]
     finally:
         eng.close()
