@@ -145,6 +145,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_linear = torch.ops.mkldnn._linear_pointwise  # oneDNN's matmul with float32 out, as inductor calls it
+
+# Without AMX, torch's flash kernel multiplies bfloat16 through MKL, which runs far below
+# oneDNN on AMD; with AMX it packs its blocks for the tiles and stays the faster one.
+_PREFIX_MATMULS = torch.backends.mkldnn.is_available() and not torch.cpu._is_amx_tile_supported()
+ROW_BLOCK = 128  # grouped query rows per score block: 128 x 8K float32 scores stay in cache
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -172,7 +178,10 @@ def _causal_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, 
     if t == 1:
         out, _ = _flash(_grouped(q, kvh), kh, vh, scale=scale)
         return _ungrouped(out, t)
-    pre, lse_pre = _flash(_grouped(q, kvh), kh[:, :, :prefix], vh[:, :, :prefix], scale=scale)
+    if _PREFIX_MATMULS and k.dtype == torch.bfloat16:
+        pre, lse_pre = _prefix_matmuls(_grouped(q, kvh), k[:prefix], v[:prefix], scale)
+    else:
+        pre, lse_pre = _flash(_grouped(q, kvh), kh[:, :, :prefix], vh[:, :, :prefix], scale=scale)
     qh = q.transpose(0, 1).unsqueeze(0)
     blk, lse_blk = _flash(qh, kh[:, :, prefix:], vh[:, :, prefix:], is_causal=True, scale=scale)
     # lse_pre is per grouped row [1, KvH, G*T]; lse_blk per head [1, H, T]: both to [T, H]
@@ -182,3 +191,27 @@ def _causal_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, 
     pre = _ungrouped(pre, t).view(t, -1, q.shape[2])
     blk = blk.squeeze(0).transpose(0, 1)
     return torch.lerp(blk.float(), pre.float(), w_pre).to(q.dtype).reshape(t, -1)
+
+
+def _prefix_matmuls(
+    qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unmasked attention of grouped bfloat16 queries `[1, KvH, R, D]` over bfloat16 k/v
+    `[S, KvH, D]`, as `_flash` returns it (out `[1, KvH, R, D]`, log-sum-exp `[1, KvH, R]`),
+    from oneDNN matmuls: scores in float32 from the bfloat16 values (K widened, not
+    rounded), probabilities rounded to bfloat16 for P V as the flash kernel rounds them."""
+    kvh, rows, d = qg.shape[1:]
+    scale = d**-0.5 if scale is None else scale
+    out = torch.empty_like(qg)
+    lse = torch.empty(1, kvh, rows, dtype=torch.float32, device=qg.device)
+    for h in range(kvh):
+        keys, values = k[:, h].float(), v[:, h]
+        q = qg[0, h].float() * scale
+        for r in range(0, rows, ROW_BLOCK):
+            s = _linear(q[r : r + ROW_BLOCK], keys, None, "none", [], "")
+            top = s.amax(-1, keepdim=True)
+            p = s.sub_(top).exp_()
+            total = p.sum(-1, keepdim=True)
+            out[0, h, r : r + ROW_BLOCK] = torch.mm(p.to(torch.bfloat16), values).float().div_(total)
+            lse[0, h, r : r + ROW_BLOCK] = top.add_(total.log_()).squeeze(-1)
+    return out, lse
