@@ -151,6 +151,7 @@ _linear = torch.ops.mkldnn._linear_pointwise  # oneDNN's matmul with float32 out
 # oneDNN on AMD; with AMX it packs its blocks for the tiles and stays the faster one.
 _PREFIX_MATMULS = torch.backends.mkldnn.is_available() and not torch.cpu._is_amx_tile_supported()
 ROW_BLOCK = 128  # grouped query rows per score block: 128 x 8K float32 scores stay in cache
+MATMUL_MIN_KEYS = 1536  # below about this many prefix keys flash's single call is the quicker
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -178,7 +179,7 @@ def _causal_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, 
     if t == 1:
         out, _ = _flash(_grouped(q, kvh), kh, vh, scale=scale)
         return _ungrouped(out, t)
-    if _PREFIX_MATMULS and k.dtype == torch.bfloat16:
+    if _PREFIX_MATMULS and k.dtype == torch.bfloat16 and prefix >= MATMUL_MIN_KEYS:
         pre, lse_pre = _prefix_matmuls(_grouped(q, kvh), k[:prefix], v[:prefix], scale)
     else:
         pre, lse_pre = _flash(_grouped(q, kvh), kh[:, :, :prefix], vh[:, :, :prefix], scale=scale)

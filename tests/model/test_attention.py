@@ -18,7 +18,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("t,s", [(1, 1), (1, 70), (9, 9), (9, 200), (64, 700)])
+@pytest.mark.parametrize("t,s", [(1, 1), (1, 70), (9, 9), (9, 200), (64, 700), (32, 1600)])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
 def test_matches_reference(dtype, tol, t, s, heads, kv_heads):
     g = torch.Generator().manual_seed(t * 1000 + s)
