@@ -356,6 +356,12 @@ def main(argv: list[str] | None = None) -> int:
         data["rows"] += rows
         data["decode"]["hcache"] = dec
         save()
+    # before llama.cpp: its OpenMP teams stay in this process, and with more team threads
+    # than cores every parallel region of ours waits tens of microseconds for a sleeping one
+    cfg = read_config()
+    data["attention"] = measures.attention_rates(
+        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, [c for c in args.contexts if c > TURN], TURN
+    )
     if "llama.cpp" not in args.skip:
         data["rows"] += llama_cpp_rows(doc, turn, args.contexts, scratch, args.threads)
         dec = llama_cpp_decode(doc, args.batches, args.decode_prompt, args.decode_steps, args.threads)
@@ -365,10 +371,6 @@ def main(argv: list[str] | None = None) -> int:
         data["rows"] += omp.on_worker(lambda: transformers_rows(doc, args.contexts, args.transformers_max))
     if "llama.cpp" not in args.skip:
         data["quality"] = measures.perplexities(args.dtype, lambda n: _llama(n, args.threads, logits_all=True))
-    cfg = read_config()
-    data["attention"] = measures.attention_rates(
-        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, [c for c in args.contexts if c > TURN], TURN
-    )
     save()
 
     def table() -> None:
