@@ -5,6 +5,8 @@ batched engine's paged cache implements the same contract (model/cache.py)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -149,7 +151,7 @@ _linear = torch.ops.mkldnn._linear_pointwise  # oneDNN's matmul with float32 out
 
 # Without AMX, torch's flash kernel multiplies bfloat16 through MKL, which runs far below
 # oneDNN on AMD; with AMX it packs its blocks for the tiles and stays the faster one.
-_PREFIX_MATMULS = torch.backends.mkldnn.is_available() and not torch.cpu._is_amx_tile_supported()
+_MATMULS = torch.backends.mkldnn.is_available() and not torch.cpu._is_amx_tile_supported()
 ROW_BLOCK = 128  # grouped query rows per score block: 128 x 8K float32 scores stay in cache
 MATMUL_MIN_KEYS = 1536  # below about this many prefix keys flash's single call is the quicker
 
@@ -179,10 +181,9 @@ def _causal_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, 
     if t == 1:
         out, _ = _flash(_grouped(q, kvh), kh, vh, scale=scale)
         return _ungrouped(out, t)
-    if _PREFIX_MATMULS and k.dtype == torch.bfloat16 and prefix >= MATMUL_MIN_KEYS:
-        pre, lse_pre = _prefix_matmuls(_grouped(q, kvh), k[:prefix], v[:prefix], scale)
-    else:
-        pre, lse_pre = _flash(_grouped(q, kvh), kh[:, :, :prefix], vh[:, :, :prefix], scale=scale)
+    if _MATMULS and k.dtype == torch.bfloat16 and prefix >= MATMUL_MIN_KEYS:
+        return _matmul_attention(q, k, v, prefix, scale)
+    pre, lse_pre = _flash(_grouped(q, kvh), kh[:, :, :prefix], vh[:, :, :prefix], scale=scale)
     qh = q.transpose(0, 1).unsqueeze(0)
     blk, lse_blk = _flash(qh, kh[:, :, prefix:], vh[:, :, prefix:], is_causal=True, scale=scale)
     # lse_pre is per grouped row [1, KvH, G*T]; lse_blk per head [1, H, T]: both to [T, H]
@@ -194,25 +195,31 @@ def _causal_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, 
     return torch.lerp(blk.float(), pre.float(), w_pre).to(q.dtype).reshape(t, -1)
 
 
-def _prefix_matmuls(
-    qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unmasked attention of grouped bfloat16 queries `[1, KvH, R, D]` over bfloat16 k/v
-    `[S, KvH, D]`, as `_flash` returns it (out `[1, KvH, R, D]`, log-sum-exp `[1, KvH, R]`),
-    from oneDNN matmuls: scores in float32 from the bfloat16 values (K widened, not
-    rounded), probabilities rounded to bfloat16 for P V as the flash kernel rounds them."""
-    kvh, rows, d = qg.shape[1:]
+def _matmul_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float | None
+) -> torch.Tensor:
+    """`_causal_cpu` from oneDNN matmuls, for bfloat16 q `[T, H, D]` and k/v `[S, KvH, D]`
+    (S = prefix + T). Per KV head and block of grouped query rows, one pass over all S
+    keys: scores in float32 from the bfloat16 values (K widened, not rounded), the new
+    block's later keys masked, an in-place softmax in base 2, and P rounded to bfloat16 for P V as
+    the flash kernel rounds it. Returns `[T, H*D]`."""
+    t, kvh, d = q.shape[0], k.shape[1], q.shape[2]
     scale = d**-0.5 if scale is None else scale
+    qg = _grouped(q, kvh)[0]  # [KvH, G*T, D]: row r is token r % T
     out = torch.empty_like(qg)
-    lse = torch.empty(1, kvh, rows, dtype=torch.float32, device=qg.device)
+    token = torch.arange(qg.shape[1], device=q.device) % t
+    later = torch.arange(t, device=q.device)[None, :] > token[:, None]  # [G*T, T]: keys each row must not see
     for h in range(kvh):
         keys, values = k[:, h].float(), v[:, h]
-        q = qg[0, h].float() * scale
-        for r in range(0, rows, ROW_BLOCK):
-            s = _linear(q[r : r + ROW_BLOCK], keys, None, "none", [], "")
-            top = s.amax(-1, keepdim=True)
-            p = s.sub_(top).exp_()
+        rows = qg[h].float() * (scale * math.log2(math.e))  # scores in base 2: exp2 is the quick one
+        for r in range(0, rows.shape[0], ROW_BLOCK):
+            s = _linear(rows[r : r + ROW_BLOCK], keys, None, "none", [], "")
+            hidden = later[r : r + ROW_BLOCK]
+            s[:, prefix:].masked_fill_(hidden, float("-inf"))
+            # denormal and zero results take a slow path (10-30x); below 2**-115 they are
+            # invisible beside the row's largest term (1), and masked keys become 0 after
+            p = s.sub_(s.amax(-1, keepdim=True)).clamp_(min=-115.0).exp2_()
+            p[:, prefix:].masked_fill_(hidden, 0.0)
             total = p.sum(-1, keepdim=True)
-            out[0, h, r : r + ROW_BLOCK] = torch.mm(p.to(torch.bfloat16), values).float().div_(total)
-            lse[0, h, r : r + ROW_BLOCK] = top.add_(total.log_()).squeeze(-1)
-    return out, lse
+            out[h, r : r + ROW_BLOCK] = torch.mm(p.to(torch.bfloat16), values).float().div_(total)
+    return _ungrouped(out[None], t)

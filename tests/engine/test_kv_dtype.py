@@ -16,6 +16,7 @@ from hcache.config import EngineConfig, StorageConfig
 from hcache.engine.engine import Engine
 from hcache.engine.errors import FailedPrecondition
 from hcache.engine.sampler import SamplingParams
+from hcache.model.attention import MATMUL_MIN_KEYS
 from hcache.restore.plan import Method
 from hcache.storage.layout import CHUNK_TOKENS, Kind, num_chunks
 from hcache.storage.store import ChunkStore
@@ -127,6 +128,29 @@ def test_the_serving_default_matches_its_reference(default_model, tmp_path):
             got, _ = turn(eng, sessions[0].id, token_ids=new, params=p)
             assert got == reference(model, history[0] + new, p, set(), BF16), method
             history[0] += new + got
+    finally:
+        eng.close()
+        store.close()
+
+
+def test_a_turn_over_a_long_bfloat16_context_matches_its_reference(default_model, tmp_path):
+    """Past `MATMUL_MIN_KEYS` cached tokens a turn attends through oneDNN's matmuls on a CPU
+    without AMX (flash with AMX), while the one-pass reference attends with flash: after a
+    KV restore of such a context, the turn's greedy tokens match the reference's."""
+    model, tok = default_model.model, word_tokenizer(default_model.model.cfg.vocab_size)
+    eng, store = make_engine(model, tok, [tmp_path / "s"], kv_dtype="bfloat16")
+    try:
+        rng = random.Random(7)
+        p = SamplingParams(max_new_tokens=4)
+        ctx = [rng.randrange(100, 40000) for _ in range(MATMUL_MIN_KEYS + 20)]
+        s = eng.create_session()
+        first, _ = turn(eng, s.id, token_ids=ctx, params=p)
+        agrees_up_to_ties(model, ctx, first, p, BF16, tie=0.05)
+        eng.evict(s.id)
+        eng.restore(s.id, Method.KV)
+        new = [rng.randrange(100, 40000) for _ in range(24)]
+        got, _ = turn(eng, s.id, token_ids=new, params=p)
+        agrees_up_to_ties(model, [*ctx, *first, *new], got, p, BF16, tie=0.05)
     finally:
         eng.close()
         store.close()
