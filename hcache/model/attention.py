@@ -172,7 +172,8 @@ def _ungrouped(out: torch.Tensor, t: int) -> torch.Tensor:
 def _causal_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float | None) -> torch.Tensor:
     """Flash attention without a T x S mask: the new block attends to the prefix unmasked
     (query heads grouped over their KV head) and to itself causally; the two partial
-    results are merged by their log-sum-exp."""
+    results are merged by their log-sum-exp. A bfloat16 cache past `MATMUL_MIN_KEYS` on a
+    CPU without AMX takes `_matmul_attention` instead."""
     t, kvh = q.shape[0], k.shape[1]
     kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     if prefix == 0 and t > 1:
@@ -201,8 +202,8 @@ def _matmul_attention(
     """`_causal_cpu` from oneDNN matmuls, for bfloat16 q `[T, H, D]` and k/v `[S, KvH, D]`
     (S = prefix + T). Per KV head and block of grouped query rows, one pass over all S
     keys: scores in float32 from the bfloat16 values (K widened, not rounded), the new
-    block's later keys masked, an in-place softmax in base 2, and P rounded to bfloat16 for P V as
-    the flash kernel rounds it. Returns `[T, H*D]`."""
+    block's later keys masked, an in-place softmax in base 2, and P rounded to bfloat16
+    for P V as the flash kernel rounds it. Returns `[T, H*D]`."""
     t, kvh, d = q.shape[0], k.shape[1], q.shape[2]
     scale = d**-0.5 if scale is None else scale
     qg = _grouped(q, kvh)[0]  # [KvH, G*T, D]: row r is token r % T
@@ -214,12 +215,12 @@ def _matmul_attention(
         rows = qg[h].float() * (scale * math.log2(math.e))  # scores in base 2: exp2 is the quick one
         for r in range(0, rows.shape[0], ROW_BLOCK):
             s = _linear(rows[r : r + ROW_BLOCK], keys, None, "none", [], "")
-            hidden = later[r : r + ROW_BLOCK]
-            s[:, prefix:].masked_fill_(hidden, float("-inf"))
+            unseen = later[r : r + ROW_BLOCK]
+            s[:, prefix:].masked_fill_(unseen, float("-inf"))
             # denormal and zero results take a slow path (10-30x); below 2**-115 they are
             # invisible beside the row's largest term (1), and masked keys become 0 after
             p = s.sub_(s.amax(-1, keepdim=True)).clamp_(min=-115.0).exp2_()
-            p[:, prefix:].masked_fill_(hidden, 0.0)
+            p[:, prefix:].masked_fill_(unseen, 0.0)
             total = p.sum(-1, keepdim=True)
             out[h, r : r + ROW_BLOCK] = torch.mm(p.to(torch.bfloat16), values).float().div_(total)
     return _ungrouped(out[None], t)
