@@ -167,11 +167,15 @@ class DecodeGraph:
     batch of two copies of itself: both write the same K/V to the same rows)."""
 
     def __init__(self, model: DecoderModel):
+        import torch._dynamo.config
         import torch._inductor.config
 
         torch._inductor.config.emulate_precision_casts = True  # the eager forms' roundings
         self.model = model
         self._one, self._batch = _compiled_steps(model)
+        # the model's float attributes (its norms' epsilons) traced as constants, not as 61
+        # scalar inputs converted to tensors and read back on every step
+        self._floats_fixed = torch._dynamo.config.patch(specialize_float=True)
 
     def graphs(self) -> int:
         """Graphs compiled so far for this model's steps."""
@@ -193,7 +197,7 @@ class DecodeGraph:
         pools `k`, `v`, in `blocks[i]`, which already has room for one more."""
         dev = k[0].device
         n = len(tokens)
-        with torch.inference_mode():
+        with torch.inference_mode(), self._floats_fixed:
             if n == 1 and blocks[0][-1] - blocks[0][0] == len(blocks[0]) - 1:
                 t, pos = torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev)
                 start, width = blocks[0][0] * BLOCK_TOKENS, key_width(lengths[0] + 1)
