@@ -120,11 +120,13 @@ class Runner:
             h = m(tokens, torch.tensor(positions, device=m.device), BatchCache(caches), staged.hidden)
             logits = m.logits(h)
         finish_decode(self.store, staged, caches, positions, step)
+        # a greedy choice is the graph's argmax: cheaper there than in an op of its own after it
+        greedy = [None] * len(batch) if step is None else step.greedy.tolist()
         out = []
         for i, q in enumerate(batch):
             q.session.tokens.append(q.generated[-1])
             assert q.sampler is not None
-            out.append(q.sampler(logits[i]))
+            out.append(q.sampler(logits[i], greedy[i]))
         self.step_ms.append(((time.perf_counter() - t0) * 1e3, graph_ms))
         return out
 

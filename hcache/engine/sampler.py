@@ -41,11 +41,11 @@ class Sampler:
             else:
                 self.generator.manual_seed(params.seed)
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """logits: `[vocab]` float32."""
+    def __call__(self, logits: torch.Tensor, argmax: int | None = None) -> int:
+        """logits: `[vocab]` float32; `argmax`, where given, is theirs (taken with them)."""
         p = self.params
         if p.temperature == 0:
-            return int(logits.argmax())
+            return int(logits.argmax()) if argmax is None else argmax
         logits = logits.float().cpu()
         scaled = logits / p.temperature
         if not torch.isfinite(scaled).all():  # a temperature this small overflows float32: shift to the max first

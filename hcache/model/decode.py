@@ -35,6 +35,7 @@ BLOCK_TOKENS = KEY_BLOCK  # tokens per block of the engine's pool (engine/block_
 @dataclass
 class StepOut:
     logits: torch.Tensor  # [B, vocab] float32
+    greedy: torch.Tensor  # [B] int64: each row's argmax, the greedy choice, taken inside the graph
     hidden: torch.Tensor  # [L, B, hidden]: each layer's input (what the H store keeps)
     kv: torch.Tensor  # [L, B, 2, kv_dim]: each layer's new K then V as the pool holds them (the KV store's rows)
 
@@ -75,14 +76,15 @@ class Paged:
 
 def _forward(
     model: DecoderModel, tokens: torch.Tensor, positions: torch.Tensor, cache: Paged
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     h = model.embed(tokens, positions)
     pos = model.pos_context(positions)
     hidden = []
     for i, layer in enumerate(model.layers):
         hidden.append(h)
         h = layer(h, pos, cache, i)
-    return model.lm_head(model.head_norm(h)).float(), torch.stack(hidden), torch.stack(cache.new)
+    logits = model.lm_head(model.head_norm(h)).float()
+    return logits, logits.argmax(-1), torch.stack(hidden), torch.stack(cache.new)
 
 
 def _step_one(
@@ -94,7 +96,7 @@ def _step_one(
     start: int,
     length: int,
     width: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """One sequence whose rows are pool rows `start..start+width` (whole key blocks), of
     which the first `length` are held and the next takes the new token's K/V: attention
     reads them where they lie."""
@@ -113,7 +115,7 @@ def _step_batch(
     table: torch.Tensor,
     k: list[torch.Tensor],
     v: list[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """Sequences of `lengths` `[B]` rows before this token, their blocks a row of `table`
     `[B, blocks]` (as many blocks as the longest needs with its new token, shorter rows
     padded with any valid block). Each layer gathers every sequence's rows, the table's
@@ -201,14 +203,13 @@ class DecodeGraph:
             if n == 1 and blocks[0][-1] - blocks[0][0] == len(blocks[0]) - 1:
                 t, pos = torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev)
                 start, width = blocks[0][0] * BLOCK_TOKENS, key_width(lengths[0] + 1)
-                logits, hidden, kv = self._one(self.model, t, pos, k, v, start, lengths[0], width)
-                return StepOut(logits, hidden, kv)
+                return StepOut(*self._one(self.model, t, pos, k, v, start, lengths[0], width))
             if n == 1:
                 tokens, positions, lengths, blocks = tokens * 2, positions * 2, lengths * 2, blocks * 2
             # never 1 column: that size would get a graph of its own (a masked block is free of effect)
             cols = max(2, key_width(max(lengths) + 1) // BLOCK_TOKENS)
             table = torch.tensor([(b + b[-1:] * cols)[:cols] for b in blocks], device=dev)
-            logits, hidden, kv = self._batch(
+            logits, greedy, hidden, kv = self._batch(
                 self.model,
                 torch.tensor(tokens, device=dev),
                 torch.tensor(positions, device=dev),
@@ -217,7 +218,7 @@ class DecodeGraph:
                 k,
                 v,
             )
-        return StepOut(logits[:n], hidden[:, :n], kv[:, :n])
+        return StepOut(logits[:n], greedy[:n], hidden[:, :n], kv[:, :n])
 
     def warm(self, kv_dtype: torch.dtype) -> float:
         """Compile both graphs now, on a scratch pool of `kv_dtype` (the serving pool's
