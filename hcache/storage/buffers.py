@@ -23,21 +23,26 @@ T = TypeVar("T")
 @dataclass
 class ChunkBuf:
     """A chunk being filled: `t` is the chunk-shaped tensor over the aligned slot memory `mem`,
-    `rows` the same bytes a token row each (what the packer copies into, with numpy)."""
+    `rows` the same bytes a token row each. `arena` is every slot of the memory the buffer
+    was cut from, `[slots, slot_bytes]` bytes, and the buffer is its slot `slot`: the packer
+    fills a token's row of many buffers with one numpy assignment per arena."""
 
     mem: memoryview
     t: torch.Tensor
     rows: np.ndarray
+    arena: np.ndarray
+    slot: int
 
 
 class ChunkBuffers(Generic[T]):
     """Slot-sized, page-aligned chunk buffers, recycled: the packer fills them and the
     writer hands them to O_DIRECT as they are, with no copy into a bounce buffer.
-    `wrap(mem)` builds whatever per-buffer object the caller wants, once per buffer."""
+    `wrap(mem, arena, slot)` builds whatever per-buffer object the caller wants, once per
+    buffer: `mem` is slot `slot` of `arena`, the `[slots, slot_bytes]` bytes it was cut from."""
 
     GROW = 64
 
-    def __init__(self, slot_bytes: int, wrap: Callable[[memoryview], T]):
+    def __init__(self, slot_bytes: int, wrap: Callable[[memoryview, np.ndarray, int], T]):
         self.slot_bytes, self.wrap = slot_bytes, wrap
         self.free: list[T] = []
         self.lock = threading.Lock()
@@ -49,7 +54,9 @@ class ChunkBuffers(Generic[T]):
                 arena = aligned_buffer(self.GROW * self.slot_bytes)
                 self._arenas.append(arena)
                 view = memoryview(arena)
-                self.free = [self.wrap(view[i * self.slot_bytes : (i + 1) * self.slot_bytes]) for i in range(self.GROW)]
+                slots = np.frombuffer(arena, dtype=np.uint8, count=self.GROW * self.slot_bytes).reshape(self.GROW, -1)
+                s = self.slot_bytes
+                self.free = [self.wrap(view[i * s : (i + 1) * s], slots, i) for i in range(self.GROW)]
             return self.free.pop()
 
     def give(self, buf: T) -> None:
@@ -66,11 +73,11 @@ def chunk_pools(shapes: dict[Kind, ChunkShape]) -> ChunkPools:
     return {k: ChunkBuffers(s.slot_bytes, _chunk_view(s)) for k, s in shapes.items()}
 
 
-def _chunk_view(shape: ChunkShape) -> Callable[[memoryview], ChunkBuf]:
-    def wrap(mem: memoryview) -> ChunkBuf:
+def _chunk_view(shape: ChunkShape) -> Callable[[memoryview, np.ndarray, int], ChunkBuf]:
+    def wrap(mem: memoryview, arena: np.ndarray, slot: int) -> ChunkBuf:
         t = torch.frombuffer(mem, dtype=torch.uint8)[: shape.nbytes].view(shape.dtype).view(shape.shape)
         rows = np.frombuffer(mem, dtype=np.uint8, count=shape.nbytes).reshape(shape.shape[0], -1)
-        return ChunkBuf(mem, t, rows)
+        return ChunkBuf(mem, t, rows, arena, slot)
 
     return wrap
 

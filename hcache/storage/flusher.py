@@ -56,6 +56,49 @@ class OpenOwner:
     chunks: dict[tuple[int, Kind], ChunkBuf] = field(default_factory=dict)
     pending: deque[Future] = field(default_factory=deque)
     loaded: bool = False  # open chunks hold the durable tail rows
+    scatter: dict[Kind, list[Scatter]] | None = None  # over `chunks`; None when they changed
+    pairs: list[tuple[int, Kind]] = field(init=False)  # every (layer, kind) stored, layer-major
+
+    def __post_init__(self) -> None:
+        self.pairs = [(layer, k) for layer, ks in enumerate(self.kinds) for k in sorted(ks, key=lambda k: k.value)]
+
+
+@dataclass
+class Scatter:
+    """Open chunks of one kind cut from one arena: slots `slots` of `arena` hold `layers`.
+    `index` is where those layers are in a staged batch whose layers are `index_of`."""
+
+    arena: np.ndarray
+    slots: np.ndarray
+    layers: list[int]
+    index_of: tuple[int, ...] = ()
+    index: np.ndarray | None = None
+
+    def rows_in(self, batch_layers: tuple[int, ...]) -> np.ndarray:
+        if batch_layers != self.index_of:
+            pos = {layer: i for i, layer in enumerate(batch_layers)}
+            self.index_of, self.index = batch_layers, np.array([pos[la] for la in self.layers], dtype=np.intp)
+        assert self.index is not None
+        return self.index
+
+
+def _byte_rows(t: torch.Tensor, kind: Kind) -> np.ndarray:
+    """Staged rows `[..., rows, *row]` (a row: `[hidden]` or `[2, kv_dim]`) as their bytes,
+    `[..., rows, row_bytes]` numpy, a view where the strides allow."""
+    lead = t.shape[: -1 if kind == Kind.HIDDEN else -2]
+    return t.view(torch.uint8).numpy().reshape(*lead, -1)
+
+
+def _scatter_plan(chunks: dict[tuple[int, Kind], ChunkBuf]) -> dict[Kind, list[Scatter]]:
+    groups: dict[tuple[Kind, int], tuple[np.ndarray, list[int], list[int]]] = {}
+    for (layer, kind), buf in chunks.items():
+        _, slots, layers = groups.setdefault((kind, id(buf.arena)), (buf.arena, [], []))
+        slots.append(buf.slot)
+        layers.append(layer)
+    plan: dict[Kind, list[Scatter]] = {}
+    for (kind, _), (arena, slots, layers) in groups.items():
+        plan.setdefault(kind, []).append(Scatter(arena, np.array(slots, dtype=np.intp), layers))
+    return plan
 
 
 @dataclass
@@ -132,6 +175,7 @@ class Packer(threading.Thread):
     def _load_tail(self, owner: str, st: OpenOwner) -> None:
         """After a restart (or a truncation) the durable tail rows come back from disk."""
         st.chunks.clear()
+        st.scatter = None
         if st.next_token % CHUNK_TOKENS:
             idx = st.next_token // CHUNK_TOKENS
             for layer, kinds in enumerate(st.kinds):
@@ -141,35 +185,56 @@ class Packer(threading.Thread):
         st.loaded = True
 
     def _pack(self, batch: StagedBatch) -> None:
-        # each staged layer's bytes a row per token, made once per batch: a decode step's batch
-        # is a row per sequence, and per-copy tensor-to-numpy views cost more than the copies
-        srcs: dict[tuple[int, Kind], np.ndarray] = {}
+        # each kind's staged rows as bytes, `[layers, rows, row_bytes]`, made once per batch; a
+        # token's row goes into all of an owner's open chunks of a kind with one numpy
+        # assignment per arena (`Scatter`): this thread holds the GIL while it packs, and a
+        # decode step's batch is a row per sequence
+        srcs: dict[Kind, tuple[tuple[int, ...], np.ndarray | dict[int, np.ndarray]]] = {}
 
-        def src_rows(layer: int, kind: Kind) -> np.ndarray:
-            a = srcs.get((layer, kind))
-            if a is None:
-                t = (batch.hidden if kind == Kind.HIDDEN else batch.kv)[layer]
-                a = srcs[(layer, kind)] = t.view(torch.uint8).numpy().reshape(t.shape[0], -1)
-            return a
+        def src(kind: Kind) -> tuple[tuple[int, ...], np.ndarray | dict[int, np.ndarray]]:
+            got = srcs.get(kind)
+            if got is None:
+                per_layer = batch.hidden if kind == Kind.HIDDEN else batch.kv
+                whole = batch.hidden_all if kind == Kind.HIDDEN else batch.kv_all
+                if whole is not None:  # in the ring: one strided view over its layers
+                    a: np.ndarray | dict[int, np.ndarray] = _byte_rows(whole, kind)
+                else:
+                    a = {layer: _byte_rows(t, kind) for layer, t in per_layer.items()}
+                got = srcs[kind] = (tuple(per_layer), a)
+            return got
 
         for seg in batch.segments:
             st = self._owner(seg.owner)
             if seg.start != st.next_token:
                 raise StorageError(f"owner {seg.owner}: rows start at {seg.start}, expected {st.next_token}")
+            pairs = st.pairs
             done = 0
             while done < seg.n:
                 pos = st.next_token + done
                 idx, off = divmod(pos, CHUNK_TOKENS)
                 take = min(seg.n - done, CHUNK_TOKENS - off)
                 rows = slice(seg.row + done, seg.row + done + take)
-                for layer, kind in ((la, k) for la, ks in enumerate(st.kinds) for k in ks):
-                    buf = st.chunks.get((layer, kind))
-                    if buf is None or off == 0:
-                        buf = st.chunks[(layer, kind)] = self.chunks[kind].take()
-                    buf.rows[off : off + take] = src_rows(layer, kind)[rows]
-                    if off + take == CHUNK_TOKENS:
-                        self._emit(seg.owner, st, layer, idx, kind, buf, CHUNK_TOKENS)
-                        del st.chunks[(layer, kind)]
+                if off == 0 or len(st.chunks) < len(pairs):
+                    for pair in pairs:
+                        if off == 0 or pair not in st.chunks:
+                            st.chunks[pair] = self.chunks[pair[1]].take()
+                    st.scatter = None
+                if st.scatter is None:
+                    st.scatter = _scatter_plan(st.chunks)
+                for kind, groups in st.scatter.items():
+                    batch_layers, a = src(kind)
+                    width = self.shapes[kind].nbytes // CHUNK_TOKENS
+                    cols = slice(off * width, (off + take) * width)
+                    for g in groups:
+                        if take == 1 and not isinstance(a, dict):  # a decode step's row: one assignment
+                            g.arena[g.slots, cols] = a[g.rows_in(batch_layers), rows].reshape(len(g.layers), -1)
+                            continue
+                        for slot, layer, i in zip(g.slots, g.layers, g.rows_in(batch_layers), strict=True):
+                            g.arena[slot, cols] = (a[layer] if isinstance(a, dict) else a[i])[rows].reshape(-1)
+                if off + take == CHUNK_TOKENS:
+                    for layer, kind in pairs:
+                        self._emit(seg.owner, st, layer, idx, kind, st.chunks.pop((layer, kind)), CHUNK_TOKENS)
+                    st.scatter = None
                 done += take
             st.next_token += seg.n
 
@@ -208,6 +273,7 @@ class Packer(threading.Thread):
             for (layer, kind), buf in sorted(st.chunks.items(), key=lambda kv: kv[0]):
                 self._emit(owner, st, layer, idx, kind, buf, n)
             st.chunks.clear()
+            st.scatter = None
             st.loaded = False
         return list(st.pending), st.next_token
 

@@ -15,7 +15,7 @@ import torch
 from storage_helpers import GEOM, KINDS, check_all, dirs_in, expected, open_store, save
 
 from hcache.config import StorageConfig
-from hcache.storage.buffers import LayerBuffers
+from hcache.storage.buffers import ChunkBuffers, LayerBuffers
 from hcache.storage.errors import ChunkError, StorageError, StorageFull, StoreLocked, UnknownOwner
 from hcache.storage.fsck import fsck
 from hcache.storage.layout import CHUNK_TOKENS, Kind, chunk_shapes, home_dir
@@ -42,6 +42,25 @@ def chat_turns(store: ChunkStore, owner: str, turns=((70, 5), (30, 40)), kinds=K
             n += 1
         store.mark_durable(owner, list(range(n)))
     return n
+
+
+def test_open_chunks_cut_from_several_arenas_get_their_own_rows(dirs, monkeypatch) -> None:
+    """The packer writes a token's row into all of an owner's open chunks of a kind with one
+    assignment per arena of chunk buffers: with arenas of 3 buffers each owner's chunks
+    span several, shared with the other owner's."""
+    monkeypatch.setattr(ChunkBuffers, "GROW", 3)
+    with open_store(dirs[:2]) as st:
+        for owner in ("a", "b"):
+            st.create_owner(owner, KINDS, "fp")
+        n = {owner: chat_turns(st, owner, turns=((70, 5),)) for owner in ("a", "b")}
+        for _ in range(70):  # a row at a time, the owners in turn, as decode steps stage them
+            for owner in ("a", "b"):
+                save(st, owner, n[owner], 1, KINDS)
+                n[owner] += 1
+        for owner in ("a", "b"):
+            st.mark_durable(owner, list(range(n[owner])))
+        for owner in ("a", "b"):
+            check_all(st, owner, n[owner])
 
 
 @pytest.mark.parametrize("n_dirs", [1, 3])
