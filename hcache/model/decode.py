@@ -142,8 +142,8 @@ def _own_code(fn: Callable) -> Callable:
 
 def _not_inside_model(guards: Sequence) -> list[bool]:
     # the model's insides (its modules' attributes, its weights' shapes and dtypes) are
-    # fixed for its life and these graphs are its own: a step checks about 140 guards, not
-    # some 3800, each step (see `_compiled_steps`)
+    # fixed for its life and these graphs are its own (`_compiled_steps`): a step checks
+    # the guards on its inputs and globals, not one per weight and module
     return [not g.name.startswith("model.") for g in guards]
 
 
@@ -175,7 +175,7 @@ class DecodeGraph:
         torch._inductor.config.emulate_precision_casts = True  # the eager forms' roundings
         self.model = model
         self._one, self._batch = _compiled_steps(model)
-        # the model's float attributes (its norms' epsilons) traced as constants, not as 61
+        # the model's float attributes (an epsilon per norm) traced as constants, not as
         # scalar inputs converted to tensors and read back on every step
         self._floats_fixed = torch._dynamo.config.patch(specialize_float=True)
 
