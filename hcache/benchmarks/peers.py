@@ -296,21 +296,27 @@ def _last_stats(engine: Engine, seq: Sequence) -> TurnStats:
 
 
 def _hcache_decode(engine: Engine, doc: list[int], batches: list[int], prompt: int, steps: int) -> dict[str, float]:
+    """Per batch size b: b sessions prefill their prompts first (a turn of one token each,
+    as llama.cpp's rows prefill before they time), then all take a turn of one new token and
+    `steps` more, and the gaps between tokens are timed: the middle half of each sequence's
+    gaps, when all b decode together (their one-token prefills stagger the first steps, and
+    the first to finish leave the batch smaller at the end)."""
     out = {}
+    first = SamplingParams(max_new_tokens=1, ignore_eos=True)
     params = SamplingParams(max_new_tokens=steps, ignore_eos=True)
     for b in batches:
         sessions = [engine.create_session() for _ in range(b)]
-        seqs = [
-            engine.generate(s.id, token_ids=[doc[(i * 7 + j) % len(doc)] for j in range(prompt)], params=params)
-            for i, s in enumerate(sessions)
-        ]
+        prompts = [[doc[(i * 7 + j) % len(doc)] for j in range(prompt + 1)] for i in range(b)]
+        pairs = list(zip(sessions, prompts, strict=True))
+        for q in [engine.generate(s.id, token_ids=p[:prompt], params=first) for s, p in pairs]:
+            _last_stats(engine, q)
+        seqs = [engine.generate(s.id, token_ids=p[prompt:], params=params) for s, p in pairs]
         engine.runner.step_ms.clear()
         stats = [_last_stats(engine, q) for q in seqs]
         if b == 1 and engine.runner.graph is not None:  # Python around the compiled graph
             steps_ms = list(engine.runner.step_ms)[len(engine.runner.step_ms) // 2 :]
             out["host_ms_b1"] = statistics.median(step - graph for step, graph in steps_ms)
-        # steps where every sequence decodes together: the later half of each sequence's gaps
-        gaps = [g for st in stats for g in st.tbt_ms[len(st.tbt_ms) // 2 :]]
+        gaps = [g for st in stats for g in st.tbt_ms[len(st.tbt_ms) // 4 : 3 * len(st.tbt_ms) // 4]]
         med = statistics.median(gaps)
         out["tbt_b1_ms" if b == 1 else f"tokens_per_s_b{b}"] = med if b == 1 else b / (med / 1e3)
         for s in sessions:
