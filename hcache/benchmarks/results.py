@@ -231,6 +231,10 @@ def render(results: Path, bench_dir: Path) -> str:
         lines += [
             "## Decode",
             "",
+            "Both systems prefill every prompt first and then time decode steps of the whole batch "
+            "(llama.cpp: the median step; hcache: the median gap between tokens over the middle half "
+            "of each sequence's turn).",
+            "",
             "| | batch 1 TBT (ms) | "
             + " | ".join(f"batch {b} tokens/s" for b in peers["args"]["batches"] if b > 1)
             + " |",
