@@ -22,14 +22,13 @@ T = TypeVar("T")
 
 @dataclass
 class ChunkBuf:
-    """A chunk being filled: `t` is the chunk-shaped tensor over the aligned slot memory `mem`,
-    `rows` the same bytes a token row each. `arena` is every slot of the memory the buffer
-    was cut from, `[slots, slot_bytes]` bytes, and the buffer is its slot `slot`: the packer
-    fills a token's row of many buffers with one numpy assignment per arena."""
+    """A chunk being filled: `t` is the chunk-shaped tensor over the aligned slot memory `mem`.
+    `arena` is every slot of the memory the buffer was cut from, `[slots, slot_bytes]` bytes,
+    and the buffer is its slot `slot`: the packer fills a token's row of many buffers with
+    one numpy assignment per arena."""
 
     mem: memoryview
     t: torch.Tensor
-    rows: np.ndarray
     arena: np.ndarray
     slot: int
 
@@ -76,8 +75,7 @@ def chunk_pools(shapes: dict[Kind, ChunkShape]) -> ChunkPools:
 def _chunk_view(shape: ChunkShape) -> Callable[[memoryview, np.ndarray, int], ChunkBuf]:
     def wrap(mem: memoryview, arena: np.ndarray, slot: int) -> ChunkBuf:
         t = torch.frombuffer(mem, dtype=torch.uint8)[: shape.nbytes].view(shape.dtype).view(shape.shape)
-        rows = np.frombuffer(mem, dtype=np.uint8, count=shape.nbytes).reshape(shape.shape[0], -1)
-        return ChunkBuf(mem, t, rows, arena, slot)
+        return ChunkBuf(mem, t, arena, slot)
 
     return wrap
 
