@@ -246,3 +246,33 @@ def _decode_step(caches: list[PagedCache]) -> Paged:
         gathered.append(torch.cat([rows, rows[-1:].expand(width - rows.shape[0])]) if rows.shape[0] < width else rows)
     gather, b = torch.cat(gathered), len(caches)
     return Paged(pool.k, pool.v, write_rows, lambda p: p.index_select(0, gather).view(b, width, kvh, d), mask)
+
+
+def warm_decode(model: DecoderModel, kv_dtype: torch.dtype) -> None:
+    """Compile the decode attention that eager forwards run (a one-token turn; every step
+    under `--decode eager`) as they call it: one sequence read in place, one gathered, and
+    batches, on a scratch pool of `kv_dtype`. No request waits for inductor, and none falls
+    back to eager ops (`serve_compiled_only`), which would sum in another order."""
+    if model.device.type != "cpu":
+        return
+    cfg = model.cfg
+    pool = BlockPool(cfg, kv_dtype, model.device, 12)
+    caches = []
+    for n in (70, 130, 100):
+        c = PagedCache(pool)
+        c.begin(n)
+        c.commit()
+        caches.append(c)
+    gap = pool.allocate(1)
+    caches[2].reserve(BLOCK_TOKENS)  # blocks not one run: gathered, not read in place
+    pool.release(gap)
+    with torch.compiler.set_stance("default"), torch.inference_mode():
+        for group in ([caches[0]], [caches[2]], caches[:2], caches):
+            for c in group:
+                c.begin(1)
+            b = len(group)
+            q = torch.zeros(b, cfg.num_heads, cfg.head_dim, dtype=model.dtype, device=model.device)
+            kv = torch.zeros(b, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype, device=model.device)
+            _decode_step(group).attend(0, q, kv, kv.clone())
+    for c in caches:
+        c.free()

@@ -19,7 +19,7 @@ import torch
 from hcache import omp
 from hcache.config import EngineConfig
 from hcache.engine import checks
-from hcache.engine.block_pool import BlockPool, resident_kv_dtype
+from hcache.engine.block_pool import BlockPool, resident_kv_dtype, warm_decode
 from hcache.engine.cluster import ClusterLink
 from hcache.engine.cluster_chunks import ClusterChunks
 from hcache.engine.cluster_turns import ClusterTurns
@@ -91,7 +91,9 @@ class Engine(ClusterTurns):
         self.counters = Counters()
         self.scheduler = Scheduler(self.pool, self.registry.sessions, self.cfg.max_batch, self.counters)
         self.runner = Runner(model, store, self.cfg)
-        if self.runner.graph is not None:  # compiled now, so that no request waits for it
+        # compiled now, so that no request waits for it
+        omp.on_worker(lambda: warm_decode(model, kv_dtype))
+        if self.runner.graph is not None:
             graph = self.runner.graph
             omp.on_worker(lambda: graph.warm(kv_dtype))
         self._wake = threading.Event()

@@ -6,6 +6,8 @@ batched engine's paged cache implements the same contract (model/cache.py)."""
 from __future__ import annotations
 
 import math
+import types
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -113,15 +115,59 @@ def decode_attention(
 ) -> torch.Tensor:
     """One new token per sequence: q `[B, H, D]` over keys/values `[B, W, KvH, D]`, W whole key
     blocks, the rows past each sequence masked (`decode_mask`); returns `[B, H*D]`.
-    Every decode path (alone or batched, eager or compiled) comes here so that a sequence's
-    bits do not depend on its batch: torch's CPU flash kernel rounds by how a row's keys fall
-    into its vector lanes and tail, so an exact width differs from a padded one, while whole
-    blocks padded further with masked keys agree. A KV head's query heads are that head's
-    query rows (K/V never repeated), in the keys' dtype (q is cast, not the cache)."""
+    Every decode path (alone or batched, eager or inside the compiled step) comes here so
+    that a sequence's bits depend neither on its batch nor on the path. On a CPU that is
+    `_decode_reductions`, compiled even when called eagerly; elsewhere torch's SDPA, a KV head's
+    query heads as that head's query rows (K/V never repeated) in the keys' dtype."""
     b, _, kvh, d = keys.shape
+    scale = d**-0.5 if scale is None else scale
+    if q.device.type == "cpu":
+        attend = _decode_reductions if torch.compiler.is_compiling() else _compiled_decode(q, keys)
+        return attend(q, keys, values, mask, scale)
     qg = q.to(keys.dtype).view(b, kvh, -1, d)
     out = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale)
     return out.reshape(b, -1).to(q.dtype)
+
+
+def _decode_reductions(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`decode_attention` as plain reductions in float32 (K/V widened, not q rounded), for
+    inductor to fuse with the gather of the rows into a few loops: torch's CPU flash kernel
+    pays per sequence and head for its small bfloat16 GEMMs. Each sum over keys runs along
+    the keys in order per output, so the masked keys a wider batch pads a sequence with add
+    exact zeros and a sequence's bits do not depend on its batch."""
+    b, w, kvh, d = keys.shape
+    dtype = q.dtype
+    # q realized once: inlined into the score loop, its rotary would be recomputed per key
+    q = torch.ops.prims.inductor_force_stride_order(q.float() * scale, (q.shape[1] * d, d, 1))
+    s = (q.view(b, 1, kvh, -1, d) * keys.float().unsqueeze(3)).sum(-1)  # [B, W, KvH, G]
+    s = s.masked_fill(~mask.view(b, w, 1, 1), float("-inf"))
+    p = (s - s.amax(1, keepdim=True)).exp()
+    out = (p.unsqueeze(-1) * values.float().unsqueeze(3)).sum(1) / p.sum(1).unsqueeze(-1)
+    return out.reshape(b, -1).to(dtype)
+
+
+_compiled: dict[tuple, Callable[..., torch.Tensor]] = {}
+
+
+def own_code(fn: Callable) -> Callable:
+    """`fn` with a code object of its own: dynamo keeps compiled graphs per code object."""
+    assert isinstance(fn, types.FunctionType)
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def _compiled_decode(q: torch.Tensor, keys: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """`_decode_reductions` compiled for eager callers, who then run the kernels the compiled
+    step inlines, not eager ops that sum in another order. Shapes are dynamic; each head
+    layout and dtype pair gets a copy of its own, so that models served side by side (or a
+    test session's many) never reach dynamo's limit of graphs per function."""
+    key = (q.dtype, keys.dtype, q.shape[1], *keys.shape[2:])
+    if key not in _compiled:
+        import torch._inductor.inductor_prims  # registers the prim
+
+        _compiled[key] = torch.compile(own_code(_decode_reductions), dynamic=True, fullgraph=True)
+    return _compiled[key]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:

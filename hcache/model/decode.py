@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import logging
 import time
-import types
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from hcache.model.attention import KEY_BLOCK, decode_attention, decode_mask, key_width
+from hcache.model.attention import KEY_BLOCK, decode_attention, decode_mask, key_width, own_code
 from hcache.model.base import DecoderModel
 
 log = logging.getLogger(__name__)
@@ -134,12 +133,6 @@ def _step_batch(
 _STEPS: weakref.WeakKeyDictionary[DecoderModel, tuple[Callable, Callable]] = weakref.WeakKeyDictionary()
 
 
-def _own_code(fn: Callable) -> Callable:
-    """`fn` with a code object of its own: dynamo keeps compiled graphs per code object."""
-    assert isinstance(fn, types.FunctionType)
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-
-
 def _not_inside_model(guards: Sequence) -> list[bool]:
     # the model's insides (its modules' attributes, its weights' shapes and dtypes) are
     # fixed for its life and these graphs are its own (`_compiled_steps`): a step checks
@@ -155,9 +148,9 @@ def _compiled_steps(model: DecoderModel) -> tuple[Callable, Callable]:
         # a lone sequence's step: its kernels called from C++, not Python (a larger share of
         # a small step; it doubles the graph's compile time)
         opts: dict = {"cpp_wrapper": model.device.type == "cpu", "guard_filter_fn": _not_inside_model}
-        one = torch.compile(_own_code(_step_one), dynamic=True, fullgraph=True, options=opts)
+        one = torch.compile(own_code(_step_one), dynamic=True, fullgraph=True, options=opts)
         batch = torch.compile(
-            _own_code(_step_batch), dynamic=True, fullgraph=True, options={"guard_filter_fn": _not_inside_model}
+            own_code(_step_batch), dynamic=True, fullgraph=True, options={"guard_filter_fn": _not_inside_model}
         )
         _STEPS[model] = (one, batch)
     return _STEPS[model]
@@ -171,6 +164,7 @@ class DecodeGraph:
     def __init__(self, model: DecoderModel):
         import torch._dynamo.config
         import torch._inductor.config
+        import torch._inductor.inductor_prims  # registers the prim decode_attention realizes q with
 
         torch._inductor.config.emulate_precision_casts = True  # the eager forms' roundings
         self.model = model
