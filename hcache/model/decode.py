@@ -224,11 +224,15 @@ class DecodeGraph:
         v = [torch.zeros(shape, dtype=kv_dtype, device=dev) for _ in range(cfg.num_layers)]
         # compile even where serving already refuses to (`serve_compiled_only`: a later engine)
         with torch.compiler.set_stance("default"):
-            # two values of each size, none equal to another (nor 0 or 1), so that none is
-            # compiled as a constant or assumed equal to another
-            for n, first, length in ((2, 5, 100), (3, 7, 130)):
+            # two values of each size, none equal to another (nor 0 or 1, nor a pool's
+            # dimension), so that none is compiled as a constant or assumed equal to another:
+            # a batch of 2 over 2 key blocks would compile a graph for batches of as many
+            # sequences as blocks, and serving would meet no other again
+            for first, length in ((5, 100), (7, 130)):
                 self([0], [length], [length], [list(range(first, first + 3))], k, v)
-                self([0] * n, [length] * n, [length] * n, [list(range(first - 4, first - 4 + n + 2))] * n, k, v)
+            for n, length in ((2, 200), (5, 350)):  # 4 and 6 key blocks
+                cols = key_width(length + 1) // BLOCK_TOKENS
+                self([0] * n, [length] * n, [length] * n, [list(range(1, 1 + cols))] * n, k, v)
         took = time.perf_counter() - t0
         log.info("decode step compiled in %.1f s", took)
         return took
