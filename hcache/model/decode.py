@@ -230,9 +230,10 @@ class DecodeGraph:
             # sequences as blocks, and serving would meet no other again
             for first, length in ((5, 100), (7, 130)):
                 self([0], [length], [length], [list(range(first, first + 3))], k, v)
-            for n, length in ((2, 200), (5, 350)):  # 4 and 6 key blocks
+            for n, length, pos in ((2, 200, 100), (5, 350, 130)):  # 4 and 6 key blocks
                 cols = key_width(length + 1) // BLOCK_TOKENS
-                self([0] * n, [length] * n, [length] * n, [list(range(1, 1 + cols))] * n, k, v)
+                # (positions apart from lengths: a learned position table may be shorter)
+                self([0] * n, [pos] * n, [length] * n, [list(range(1, 1 + cols))] * n, k, v)
         took = time.perf_counter() - t0
         log.info("decode step compiled in %.1f s", took)
         return took
