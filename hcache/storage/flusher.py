@@ -164,12 +164,15 @@ class Packer(threading.Thread):
                     self.ring.release(item)
 
     def _owner(self, owner: str) -> OpenOwner:
-        st = self.owners.get(owner)
-        if st is None:
-            row = self.manifest.owner(owner)
-            st = self.owners[owner] = OpenOwner(decode_layer_kinds(row.layer_kinds), row.num_tokens)
+        st = self.owners.get(owner) or self._open(owner)
         if not st.loaded:
             self._load_tail(owner, st)
+        return st
+
+    def _open(self, owner: str) -> OpenOwner:
+        """An owner's open state from its manifest row (no chunks open yet)."""
+        row = self.manifest.owner(owner)
+        st = self.owners[owner] = OpenOwner(decode_layer_kinds(row.layer_kinds), row.num_tokens)
         return st
 
     def _load_tail(self, owner: str, st: OpenOwner) -> None:
@@ -265,13 +268,12 @@ class Packer(threading.Thread):
         if st is None:
             if not write_tail:
                 return [], 0
-            row = self.manifest.owner(owner)  # nothing open: what is on disk is current
-            st = self.owners[owner] = OpenOwner(decode_layer_kinds(row.layer_kinds), row.num_tokens)
+            st = self._open(owner)  # nothing open: what is on disk is current
         n = st.next_token % CHUNK_TOKENS
         if n and write_tail and st.loaded:
             idx = st.next_token // CHUNK_TOKENS
-            for (layer, kind), buf in sorted(st.chunks.items(), key=lambda kv: kv[0]):
-                self._emit(owner, st, layer, idx, kind, buf, n)
+            for layer, kind in st.pairs:  # a loaded tail has every pair open
+                self._emit(owner, st, layer, idx, kind, st.chunks[(layer, kind)], n)
             st.chunks.clear()
             st.scatter = None
             st.loaded = False
