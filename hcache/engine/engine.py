@@ -41,6 +41,7 @@ from hcache.engine.sequence import Event, EventSink, Sequence, Session, TextStre
 from hcache.engine.sessions import Registry, layer_kinds_for
 from hcache.engine.telemetry import Telemetry
 from hcache.malloc import trim_when_idle
+from hcache.model.attention import key_width
 from hcache.model.base import DecoderModel
 from hcache.model.decode import BLOCK_TOKENS
 from hcache.model.tokenizer import Tokenizer
@@ -96,6 +97,9 @@ class Engine(ClusterTurns):
         if self.runner.graph is not None:
             graph = self.runner.graph
             omp.on_worker(lambda: graph.warm(kv_dtype))
+            if model.device.type == "cuda":  # before any session holds blocks (see `capture`)
+                blocks = min(self.pool.num_blocks, key_width(mc.max_position) // BLOCK_TOKENS)
+                graph.capture(self.pool.k, self.pool.v, self.cfg.max_batch, blocks)
         self._wake = threading.Event()
         self.chunks: ClusterChunks | None = None
         if cluster is not None and cluster.tier is not None:

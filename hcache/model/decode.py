@@ -11,7 +11,9 @@ their Python dispatch; compiled, inductor fuses the elementwise chains around th
 matmul kernels and the step pays one guard check.
 
 Shapes are dynamic: one graph serves a single sequence and one every larger batch, at
-any context length, so a request never waits for a compile once `warm` ran."""
+any context length, so a request never waits for a compile once `warm` ran. On CUDA the
+batch graph is also recorded as CUDA graphs (`capture`), one per bucket of batch size and
+key blocks (powers of two), so that a step is one replay rather than hundreds of launches."""
 
 from __future__ import annotations
 
@@ -156,6 +158,19 @@ def _compiled_steps(model: DecoderModel) -> tuple[Callable, Callable]:
     return _STEPS[model]
 
 
+def bucket(n: int) -> int:
+    """The power of two at or above `n`, at least 2: a recorded graph's batch size or width."""
+    return max(2, 1 << (n - 1).bit_length())
+
+
+@dataclass
+class _Recorded:
+    graph: torch.cuda.CUDAGraph
+    ins: torch.Tensor  # [b, 3 + cols] int64: token, position, length, then the block table
+    out: StepOut
+    pool: int  # the address of the pool the graph writes (layer 0's K)
+
+
 class DecodeGraph:
     """The decode step of one model, compiled: one graph for a single sequence whose
     blocks are one run, one for every other batch (a lone fragmented sequence runs as a
@@ -172,6 +187,8 @@ class DecodeGraph:
         # the model's float attributes (an epsilon per norm) traced as constants, not as
         # scalar inputs converted to tensors and read back on every step
         self._floats_fixed = torch._dynamo.config.patch(specialize_float=True)
+        self._recorded: dict[tuple[int, int], _Recorded] = {}
+        self.replays = 0  # steps served by a recorded CUDA graph
 
     def graphs(self) -> int:
         """Graphs compiled so far for this model's steps."""
@@ -193,6 +210,10 @@ class DecodeGraph:
         pools `k`, `v`, in `blocks[i]`, which already has room for one more."""
         dev = k[0].device
         n = len(tokens)
+        if self._recorded:
+            out = self._replay(tokens, positions, lengths, blocks, k)
+            if out is not None:
+                return out
         with torch.inference_mode(), self._floats_fixed:
             if n == 1 and blocks[0][-1] - blocks[0][0] == len(blocks[0]) - 1:
                 t, pos = torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev)
@@ -213,6 +234,59 @@ class DecodeGraph:
                 v,
             )
         return StepOut(logits[:n], greedy[:n], hidden[:, :n], kv[:, :n])
+
+    def _replay(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        lengths: list[int],
+        blocks: list[list[int]],
+        k: list[torch.Tensor],
+    ) -> StepOut | None:
+        """The step as the recorded graph of its bucket, None where none was recorded (on
+        other pools, or past the buckets). Batches are padded with copies of their last
+        sequence, which write the same K/V to the same rows."""
+        n = len(tokens)
+        cols = bucket(key_width(max(lengths) + 1) // BLOCK_TOKENS)
+        rec = self._recorded.get((bucket(n), cols))
+        if rec is None or rec.pool != k[0].data_ptr():
+            return None
+        rows = [
+            [t, p, n_, *(b + b[-1:] * cols)[:cols]]
+            for t, p, n_, b in zip(tokens, positions, lengths, blocks, strict=True)
+        ]
+        rows += rows[-1:] * (rec.ins.shape[0] - n)
+        rec.ins.copy_(torch.tensor(rows))
+        rec.graph.replay()
+        self.replays += 1
+        o = rec.out
+        return StepOut(o.logits[:n], o.greedy[:n], o.hidden[:, :n], o.kv[:, :n])
+
+    def capture(self, k: list[torch.Tensor], v: list[torch.Tensor], max_batch: int, max_blocks: int) -> float:
+        """Record the batch step as CUDA graphs on the serving pools `k`, `v` (a graph holds
+        their addresses): one per power-of-two batch size up to `max_batch` and number of key
+        blocks up to `max_blocks`. Recording writes K/V rows of block 0, so it runs before any
+        sequence holds blocks. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        dev = k[0].device
+        mempool = torch.cuda.graph_pool_handle()  # the graphs replay one at a time: one pool
+        side = torch.cuda.Stream(dev)
+        sizes = [(b, c) for b in _powers(max_batch) for c in _powers(max_blocks)]
+        with torch.inference_mode(), self._floats_fixed, torch.compiler.set_stance("default"):
+            for b, cols in sizes:
+                ins = torch.zeros(b, 3 + cols, dtype=torch.long, device=dev)
+                args = (self.model, ins[:, 0], ins[:, 1], ins[:, 2], ins[:, 3:], k, v)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):  # compiles and tunes outside the recording
+                    self._batch(*args)
+                torch.cuda.current_stream(dev).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=mempool, capture_error_mode="thread_local"):
+                    out = StepOut(*self._batch(*args))
+                self._recorded[(b, cols)] = _Recorded(graph, ins, out, k[0].data_ptr())
+        took = time.perf_counter() - t0
+        log.info("decode step recorded as %d CUDA graphs in %.1f s", len(sizes), took)
+        return took
 
     def warm(self, kv_dtype: torch.dtype) -> float:
         """Compile both graphs now, on a scratch pool of `kv_dtype` (the serving pool's
@@ -237,3 +311,8 @@ class DecodeGraph:
         took = time.perf_counter() - t0
         log.info("decode step compiled in %.1f s", took)
         return took
+
+
+def _powers(most: int) -> list[int]:
+    """2, 4, ... up to the bucket that holds `most`."""
+    return [1 << i for i in range(1, bucket(most).bit_length())]

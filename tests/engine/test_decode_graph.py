@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import tload
+from conftest import DEVICE, tload
 from engine_helpers import make_engine, reference, turn, word_tokenizer
 
 from hcache.engine.block_pool import BlockPool
@@ -51,6 +51,8 @@ def test_compiled_decode_matches_the_eager_reference(tiny, tmp_path):
             assert got == reference(tiny, history[sid] + new, p, set()), method
             history[sid] += new + got
         assert eng.runner.graph.graphs() == compiled  # the warm-up compiled every graph the turns needed
+        if DEVICE == "cuda":  # every step replayed a CUDA graph recorded at the start
+            assert eng.runner.graph.replays == len(eng.runner.step_ms) > 0
     finally:
         eng.close()
         store.close()
