@@ -30,7 +30,7 @@ def parser(base: Config | None = None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hcache", description="stateful LLM serving with hidden-state KV restoration")
     sub = ap.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="3-turn chat; KV dropped and restored by every path after each turn")
-    _common(demo, base)
+    _common(demo, base, ("model", "dtype", "device"))
     demo.add_argument("--max-new-tokens", type=int, default=64)
     demo.add_argument("--json", action="store_true", help="print the table and replies as JSON on stdout")
     fsck = sub.add_parser("fsck", help="verify a store's chunks and manifest; --repair fixes what it can")
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.max_new_tokens < 1:
                 raise ValueError("--max-new-tokens must be at least 1")
-            return demo.run(cfg.model, cfg.dtype, args.max_new_tokens, as_json=args.json)
+            return demo.run(cfg.model, cfg.dtype, args.max_new_tokens, as_json=args.json, device=cfg.device)
         if args.command == "serve":
             return _serve(cfg)
         if args.command == "chat":

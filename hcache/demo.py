@@ -66,13 +66,14 @@ def run(
     max_new_tokens: int = 48,
     console: Console | None = None,
     as_json: bool = False,
+    device: str = "cpu",
 ) -> int:
     # A pipe gets a fixed width wide enough for the table; a terminal keeps its own.
     # With --json, progress goes to stderr so that stdout holds only the JSON document.
     out = sys.stderr if as_json else sys.stdout
     console = console or Console(file=out, width=None if out.isatty() else 150)
-    with console.status(f"loading {model} ({dtype})"):
-        lm = load(model, dtype)
+    with console.status(f"loading {model} ({dtype}, {device})"):
+        lm = load(model, dtype, device)
         warm_up(lm.model)  # compile before the first turn, as `hcache serve` does
     if lm.tokenizer is None:
         console.print("[red]the model has no tokenizer; the demo needs one[/red]")

@@ -206,7 +206,7 @@ def transformers_rows(doc: list[int], contexts: list[int], max_tokens: int) -> l
 
 def hcache_rows(args: argparse.Namespace, doc: list[int], turn: list[int]) -> tuple[list[dict], dict[str, float]]:
     omp.isolate_main()  # the engine's loop computes (see hcache/omp.py)
-    lm = omp.on_worker(lambda: load("default", args.dtype, weights=args.weights))
+    lm = omp.on_worker(lambda: load("default", args.dtype, args.device, args.weights))
     dirs = ensure_dirs(args.dirs) if args.dirs else [Path(tempfile.mkdtemp(prefix="hcache-peers-"))]
     omp.on_worker(lambda: warm_up(lm.model))  # as `hcache serve` starts: no restore pays for compiling
     prof = omp.on_worker(lambda: profiler.load_or_run(lm.model, dirs, Path(args.profile_dir)))
@@ -260,7 +260,7 @@ def _engine(lm: Any, prof: Any, dirs: list[Path], args: argparse.Namespace, **cf
     """An engine configured by `cfg` (and `--kv-dtype`) on a fresh store in each of `dirs`."""
     roots = [tempfile.mkdtemp(dir=d) for d in dirs]
     kv_dtype = resident_kv_dtype(args.kv_dtype, lm.model)
-    store = ChunkStore(StorageConfig(roots), lm.model.cfg, lm.model.dtype, kv_dtype=kv_dtype)
+    store = ChunkStore(StorageConfig(roots), lm.model.cfg, lm.model.dtype, args.device, kv_dtype)
     return Engine(lm.model, lm.tokenizer, store, prof, EngineConfig(kv_dtype=args.kv_dtype, **cfg)), store
 
 
@@ -328,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hcache bench peers", description=__doc__)
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8000])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default="cpu", help="hcache's torch device (llama.cpp runs on the CPU)")
     ap.add_argument("--weights", default="auto", choices=["auto", "float", "int4"], help="hcache's weight mode")
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "model", "bfloat16"], help="hcache's resident KV")
     ap.add_argument("--dirs", nargs="+", help="storage directories (default: a temp dir)")
@@ -407,6 +408,7 @@ def machine() -> dict[str, Any]:
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "memory_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -8,10 +8,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hcache.benchmarks.results_gpu import gpu_section
+
 COMMANDS = """\
 make bench-peers          # builds llama-cpp-python into .venv (once, ~12 min), runs bench/peers.py
 make bench                # bench-peers + the storage, restore, engine and serve benchmarks, then this page
 .venv/bin/python bench/peers.py --dirs /path/on/nvme    # one benchmark alone; --help for options
+.venv/bin/python bench/peers.py --device cuda --dtype bfloat16 --skip llama.cpp transformers \\
+    --out bench/results/peers_gpu_bfloat16.json          # hcache alone on a GPU
 .venv/bin/python bench/results.py                        # this page from bench/results/*.json
 """
 
@@ -271,6 +275,7 @@ def render(results: Path, bench_dir: Path) -> str:
         lines += ["", *_targets(peers), "", *_quality(peers), *_attention(peers)]
         for name in _plots(peers, bench_dir):
             lines += [f"![{name}]({name})", ""]
+    lines += gpu_section(results)
     for name, title in (
         ("engine", "Engine: fused restore + prefill"),
         ("serve", "Serving trace"),
