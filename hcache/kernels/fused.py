@@ -24,6 +24,7 @@ import os
 import statistics
 import threading
 import time
+import types
 from collections.abc import Callable
 
 import torch
@@ -86,48 +87,58 @@ class _Compiled:
 
     def __init__(self, fn: Callable, eager: Callable[..., torch.Tensor], name: str):
         self.fn, self.eager, self.name = fn, eager, name
-        self._compiled: Callable | None = None
-        self.faster: bool | None = None  # None until timed
-        self.timings: dict[str, float] = {}
+        # per shape class (`_shape_class`): what runs, and why, for one model's rows is
+        # decided on rows of their own shape, whatever other models ran before
+        self._compiled: dict[tuple, Callable] = {}
+        self.faster: dict[tuple, bool] = {}  # absent until timed
+        self.timings: dict[tuple, dict[str, float]] = {}
 
-    def get(self) -> Callable | None:
+    def get(self, key: tuple) -> Callable | None:
+        """The kernel compiled for inputs of shape class `key`: a copy of its own, so that
+        what other models compiled before (dynamo keeps its graphs per code object, and its
+        record of which sizes varied per name) never changes which code, and so which
+        rounding, this model's rows get."""
         if _Compiled.failed:
             return None
-        if self._compiled is None:
+        fn = self._compiled.get(key)
+        if fn is None:
             with _Compiled._lock:
-                if self._compiled is None:
+                fn = self._compiled.get(key)
+                if fn is None:
                     import torch._dynamo
                     import torch._inductor.config
 
                     torch._inductor.config.emulate_precision_casts = True  # the eager roundings
-                    # one entry per dtype and row-count class, a few models per process (tests)
+                    # per copy: inference tensors or not, and row-count classes
                     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-                    self._compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
-        return self._compiled
+                    fn = torch.compile(own_code(self.fn, _tag(key)), dynamic=True, fullgraph=True)
+                    self._compiled[key] = fn
+        return fn
 
     def __call__(self, *args: object) -> torch.Tensor | None:
         """The compiled result, or None where the eager form must run."""
-        fn = self.get()
-        if fn is None or self.faster is False:
+        key = _shape_class(args)
+        fn = self.get(key)
+        if fn is None or self.faster.get(key) is False:
             return None
         try:
             out = fn(*args)
-            if self.faster is None:
+            if key not in self.faster:
                 with _Compiled._lock:
-                    if self.faster is None:
-                        self._time(fn, args)
+                    if key not in self.faster:
+                        self._time(fn, args, key)
         except Exception as e:  # no compiler, an unsupported build: eager from now on
             _Compiled.failed = True
             log.warning("torch.compile unavailable (%s: %s); RMSNorm and RoPE run eager", type(e).__name__, e)
             return None
-        return out if self.faster else None
+        return out if self.faster[key] else None
 
-    def _time(self, fn: Callable, args: tuple) -> None:
+    def _time(self, fn: Callable, args: tuple, key: tuple) -> None:
         """Median of 5 alternating runs of each form on `CAL_ROWS` rows shaped like `args`."""
         rows = args[0].shape[0]  # type: ignore[union-attr]
         # inputs of the same kinds (inference tensors or not) as the call's: another kind
         # would compile the kernel again
-        cal = tuple(_like(a, CAL_ROWS) if isinstance(a, torch.Tensor) and a.shape[0] == rows else a for a in args)
+        cal = tuple(_like(a, CAL_ROWS) if _rows_of(a, rows) else a for a in args)
         times: dict[str, list[float]] = {"compiled": [], "eager": []}
         forms = {"compiled": fn, "eager": self.eager}
         for i in range(6):  # the first round warms both
@@ -136,13 +147,39 @@ class _Compiled:
                 f(*cal)
                 if i:
                     times[name].append(time.perf_counter() - t0)
-        self.timings = {f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}
-        self.faster = self.timings["compiled_ms"] < 0.95 * self.timings["eager_ms"]
+        t = self.timings[key] = {f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}
+        self.faster[key] = t["compiled_ms"] < 0.95 * t["eager_ms"]
         log.info(
-            "%s at %d rows: compiled %.2f ms, eager %.2f ms: %s",
-            self.name, CAL_ROWS, self.timings["compiled_ms"], self.timings["eager_ms"],
-            "compiled" if self.faster else "eager",
+            "%s (%s) at %d rows: compiled %.2f ms, eager %.2f ms: %s",
+            self.name, _tag(key), CAL_ROWS, t["compiled_ms"], t["eager_ms"],
+            "compiled" if self.faster[key] else "eager",
         )  # fmt: skip
+
+
+def _shape_class(args: tuple) -> tuple:
+    return tuple((a.dtype, *a.shape[1:]) for a in args if isinstance(a, torch.Tensor))
+
+
+def _tag(key: tuple) -> str:
+    """A shape class as a name: `float32_576__float32_576`."""
+    return "__".join("_".join(str(x).removeprefix("torch.") for x in part) for part in key)
+
+
+def own_code(fn: Callable, tag: str) -> Callable:
+    """`fn` with a code object of its own, named `fn`'s name and `tag`. Dynamo keeps compiled
+    graphs per code object, and what it learned of their inputs (which sizes varied: the
+    code state that decides which are compiled dynamic) per file, line and name, for the
+    process and in its cache on disk: a copy with a name of its own learns only from its
+    own calls."""
+    assert isinstance(fn, types.FunctionType)
+    name = f"{fn.__name__}__{tag}"
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def _rows_of(a: object, rows: int) -> bool:
+    """Is `a` one of the call's row-shaped inputs (not a weight vector of as many elements)?"""
+    return isinstance(a, torch.Tensor) and a.dim() > 1 and a.shape[0] == rows
 
 
 def _like(a: torch.Tensor, rows: int) -> torch.Tensor:
@@ -186,9 +223,12 @@ def compiled() -> bool:
     return not _Compiled.failed
 
 
-def choices() -> dict[str, dict]:
-    """Per kernel: which form runs (None until its first call of many rows) and the timings."""
+def choices() -> dict[str, dict[str, dict]]:
+    """Per kernel and shape class timed so far (`float32_576__float32`: its inputs' dtypes and
+    row shapes): which form runs, and the timings."""
     return {
-        k.name: {"runs": None if k.faster is None else ("compiled" if k.faster else "eager"), **k.timings}
+        k.name: {
+            _tag(key): {"runs": "compiled" if fast else "eager", **k.timings[key]} for key, fast in k.faster.items()
+        }
         for k in (_norm, _rope, _rope_into)
     }

@@ -6,13 +6,13 @@ batched engine's paged cache implements the same contract (model/cache.py)."""
 from __future__ import annotations
 
 import math
-import types
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from hcache.config import ModelConfig
+from hcache.kernels.fused import own_code
 
 
 class KVCache:
@@ -151,12 +151,6 @@ def _decode_reductions(
 _compiled: dict[tuple, Callable[..., torch.Tensor]] = {}
 
 
-def own_code(fn: Callable) -> Callable:
-    """`fn` with a code object of its own: dynamo keeps compiled graphs per code object."""
-    assert isinstance(fn, types.FunctionType)
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-
-
 def _compiled_decode(q: torch.Tensor, keys: torch.Tensor) -> Callable[..., torch.Tensor]:
     """`_decode_reductions` compiled for eager callers, who then run the kernels the compiled
     step inlines, not eager ops that sum in another order. Shapes are dynamic; each head
@@ -166,7 +160,8 @@ def _compiled_decode(q: torch.Tensor, keys: torch.Tensor) -> Callable[..., torch
     if key not in _compiled:
         import torch._inductor.inductor_prims  # registers the prim
 
-        _compiled[key] = torch.compile(own_code(_decode_reductions), dynamic=True, fullgraph=True)
+        tag = "_".join(str(x).removeprefix("torch.") for x in key)
+        _compiled[key] = torch.compile(own_code(_decode_reductions, tag), dynamic=True, fullgraph=True)
     return _compiled[key]
 
 

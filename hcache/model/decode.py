@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hcache.model.attention import KEY_BLOCK, decode_attention, decode_mask, key_width, own_code
+from hcache.kernels.fused import own_code
+from hcache.model.attention import KEY_BLOCK, decode_attention, decode_mask, key_width
 from hcache.model.base import DecoderModel
 
 log = logging.getLogger(__name__)
@@ -150,9 +151,11 @@ def _compiled_steps(model: DecoderModel) -> tuple[Callable, Callable]:
         # a lone sequence's step: its kernels called from C++, not Python (a larger share of
         # a small step; it doubles the graph's compile time)
         opts: dict = {"cpp_wrapper": model.device.type == "cpu", "guard_filter_fn": _not_inside_model}
-        one = torch.compile(own_code(_step_one), dynamic=True, fullgraph=True, options=opts)
+        c = model.cfg
+        tag = f"{c.num_layers}x{c.hidden_size}_{c.num_heads}q{c.num_kv_heads}kv_{str(model.dtype)[6:]}_{model.weights}"
+        one = torch.compile(own_code(_step_one, tag), dynamic=True, fullgraph=True, options=opts)
         batch = torch.compile(
-            own_code(_step_batch), dynamic=True, fullgraph=True, options={"guard_filter_fn": _not_inside_model}
+            own_code(_step_batch, tag), dynamic=True, fullgraph=True, options={"guard_filter_fn": _not_inside_model}
         )
         _STEPS[model] = (one, batch)
     return _STEPS[model]

@@ -64,7 +64,8 @@ def test_many_rows_on_a_cpu_run_compiled(monkeypatch) -> None:
     if not fused.compiled():
         pytest.skip("HCACHE_COMPILE=0 or no compiler here")
     for k in (fused._norm, fused._rope):  # as if timed faster here
-        monkeypatch.setattr(k, "faster", True)
+        monkeypatch.setattr(k, "faster", {})
+        monkeypatch.setattr(k, "_time", lambda fn, args, key, k=k: k.faster.__setitem__(key, True))
     calls = []
     monkeypatch.setattr(fused, "rope_eager", lambda *a: calls.append("rope") or reference_rope(*a[:3]))
     monkeypatch.setattr(fused, "rms_norm_eager", lambda *a: calls.append("norm") or reference_norm(*a))
@@ -86,13 +87,16 @@ def test_each_kernel_runs_the_form_timed_faster(monkeypatch, compiled_wins) -> N
     k = fused._Compiled(lambda x: x * 2, lambda x: x * 2, "double")
     slow = lambda x: time.sleep(0.002) or x * 2  # noqa: E731
     fast = lambda x: x * 2  # noqa: E731
-    monkeypatch.setattr(k, "get", lambda: fast if compiled_wins else slow)
+    monkeypatch.setattr(k, "get", lambda args: fast if compiled_wins else slow)
     k.eager = slow if compiled_wins else fast
     x = torch.ones(300, 8)
     first = k(x)
-    assert k.faster is compiled_wins and set(k.timings) == {"compiled_ms", "eager_ms"}
+    key = fused._shape_class((x,))
+    assert k.faster == {key: compiled_wins} and set(k.timings[key]) == {"compiled_ms", "eager_ms"}
     assert (first is not None) == compiled_wins
     assert (k(x) is not None) == compiled_wins  # decided once
+    assert k(torch.ones(300, 16)) is not None or not compiled_wins  # another shape: timed again
+    assert len(k.faster) == 2
 
 
 def test_kernel_choice_is_reported() -> None:
@@ -100,6 +104,28 @@ def test_kernel_choice_is_reported() -> None:
         pytest.skip("HCACHE_COMPILE=0 or no compiler here")
     x = torch.randn(300, 576)
     fused.rms_norm(x, torch.ones(576), 1e-5)
-    c = fused.choices()["RMSNorm"]
+    c = fused.choices()["RMSNorm"]["float32_576__float32"]
     assert c["runs"] in ("compiled", "eager") and c["compiled_ms"] > 0 and c["eager_ms"] > 0
     assert (c["runs"] == "compiled") == (c["compiled_ms"] < 0.95 * c["eager_ms"])
+
+
+def test_a_call_with_as_many_rows_as_features_is_timed(monkeypatch) -> None:
+    """Timing gives row-shaped inputs `CAL_ROWS` rows, not a weight vector that has as many
+    elements as the call has rows (64 rows of a 64-wide norm): that failed the timing call
+    and turned compiling off for the whole process."""
+    if not fused.compiled():
+        pytest.skip("HCACHE_COMPILE=0 or no compiler here")
+    monkeypatch.setattr(fused._Compiled, "failed", False)
+    k = fused._Compiled(fused._rms_norm_ref, fused.rms_norm_eager, "norm")
+    x = torch.randn(64, 64)
+    k(x, torch.ones(64), 1e-5)
+    assert not fused._Compiled.failed and len(k.timings) == 1
+
+
+def test_copies_of_a_kernel_are_named_apart() -> None:
+    """Dynamo records which input sizes varied per file, line and name (its code state, kept
+    on disk too): copies for other shape classes must not share it, or a small model compiled
+    first makes a later model's kernel compile differently, and round differently."""
+    a, b = fused.own_code(fused._rms_norm_ref, "x"), fused.own_code(fused._rms_norm_ref, "y")
+    assert a.__code__ is not b.__code__ and a.__code__.co_name != b.__code__.co_name
+    assert a.__code__.co_name.startswith("_rms_norm_ref")
