@@ -237,12 +237,16 @@ class Sequence:
         self.t_last = time.perf_counter()
         assert self.text is not None
         stop = token in self.stop_ids
-        event = Event("" if stop else self.text.push(token), [token])
+        text = "" if stop else self.text.push(token)
         if stop or self.text.stopped:
-            return event, "stop"
-        if len(self.generated) >= self.params.max_new_tokens or self.position + 1 >= self.max_tokens:
-            return event, "length"
-        return event, "cancelled" if self.cancelled.is_set() else ""
+            reason = "stop"
+        elif len(self.generated) >= self.params.max_new_tokens or self.position + 1 >= self.max_tokens:
+            reason = "length"
+        else:
+            reason = "cancelled" if self.cancelled.is_set() else ""
+        if reason:  # what was held back (half a character, a stop string's start) is final now
+            text += self.text.flush()
+        return Event(text, [token]), reason
 
     def end_turn(self, decode: Callable[[list[int]], str]) -> None:
         """The reply joins the session's conversation (chat), or waits to be fed (token turns)."""

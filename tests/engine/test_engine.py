@@ -253,3 +253,23 @@ def test_a_failing_step_fails_its_turn_instead_of_hanging(tmp_path, tiny_folder,
     finally:
         eng.close()
         store.close()
+
+
+def test_a_turn_ends_with_the_text_it_held_back(tmp_path, tiny_folder):
+    """The stream holds back a tail that could start a stop string; when the turn ends
+    without one, the tail is the reply's and comes in the last token's event: the text a
+    client joins is the reply the session keeps (an API client sends it back next turn)."""
+    model = tload(tiny_folder("llama_gqa"))
+    tok = word_tokenizer(model.cfg.vocab_size)
+    eng, store = make_engine(model, tok, [tmp_path / "s"])
+    try:
+        s = eng.create_session()
+        stops = [f"{d}#" for d in "0123456789"]  # every word ends in a digit: its tail is held back
+        seq = eng.generate(s.id, token_ids=[1, 2, 3], params=SamplingParams(max_new_tokens=2), stops=stops)
+        events = list(eng.stream(seq))
+        ids = [t for ev in events for t in ev.token_ids]
+        assert events[-1].finish_reason == "length" and len(ids) == 2
+        assert "".join(ev.text for ev in events) == tok.decode(ids)
+    finally:
+        eng.close()
+        store.close()
