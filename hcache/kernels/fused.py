@@ -161,7 +161,7 @@ def _shape_class(args: tuple) -> tuple:
 
 
 def _tag(key: tuple) -> str:
-    """A shape class as a name: `float32_576__float32_576`."""
+    """A shape class as a name: `float32_576__float32` (an RMSNorm's rows and weight)."""
     return "__".join("_".join(str(x).removeprefix("torch.") for x in part) for part in key)
 
 
