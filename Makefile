@@ -78,7 +78,7 @@ lint: $(VENV)/.test
 	$(VENV)/bin/lint-imports
 
 test: lint
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=15 $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
