@@ -259,7 +259,8 @@ class DecodeGraph:
             for t, p, n_, b in zip(tokens, positions, lengths, blocks, strict=True)
         ]
         rows += rows[-1:] * (rec.ins.shape[0] - n)
-        rec.ins.copy_(torch.tensor(rows))
+        with torch.inference_mode():  # `ins` is an inference tensor, whatever the caller's mode
+            rec.ins.copy_(torch.tensor(rows))
         rec.graph.replay()
         self.replays += 1
         o = rec.out
