@@ -165,14 +165,14 @@ def _tag(key: tuple) -> str:
     return "__".join("_".join(str(x).removeprefix("torch.") for x in part) for part in key)
 
 
-def own_code(fn: Callable, tag: str) -> Callable:
-    """`fn` with a code object of its own, named `fn`'s name and `tag`. Dynamo keeps compiled
-    graphs per code object, and what it learned of their inputs (which sizes varied: the
-    code state that decides which are compiled dynamic) per file, line and name, for the
-    process and in its cache on disk: a copy with a name of its own learns only from its
-    own calls."""
+def own_code(fn: Callable, *parts: object) -> Callable:
+    """`fn` with a code object of its own, named `fn`'s name and `parts` (`torch.` dropped
+    from dtypes). Dynamo keeps compiled graphs per code object, and what it learned of their
+    inputs (which sizes varied: the code state that decides which are compiled dynamic) per
+    file, line and name, for the process and in its cache on disk: a copy with a name of
+    its own learns only from its own calls."""
     assert isinstance(fn, types.FunctionType)
-    name = f"{fn.__name__}__{tag}"
+    name = "__".join([fn.__name__, *(str(p).removeprefix("torch.") for p in parts)])
     code = fn.__code__.replace(co_name=name, co_qualname=name)
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 

@@ -160,8 +160,7 @@ def _compiled_decode(q: torch.Tensor, keys: torch.Tensor) -> Callable[..., torch
     if key not in _compiled:
         import torch._inductor.inductor_prims  # registers the prim
 
-        tag = "_".join(str(x).removeprefix("torch.") for x in key)
-        _compiled[key] = torch.compile(own_code(_decode_reductions, tag), dynamic=True, fullgraph=True)
+        _compiled[key] = torch.compile(own_code(_decode_reductions, *key), dynamic=True, fullgraph=True)
     return _compiled[key]
 
 

@@ -152,13 +152,21 @@ def _compiled_steps(model: DecoderModel) -> tuple[Callable, Callable]:
         # a small step; it doubles the graph's compile time)
         opts: dict = {"cpp_wrapper": model.device.type == "cpu", "guard_filter_fn": _not_inside_model}
         c = model.cfg
-        tag = f"{c.num_layers}x{c.hidden_size}_{c.num_heads}q{c.num_kv_heads}kv_{str(model.dtype)[6:]}_{model.weights}"
-        one = torch.compile(own_code(_step_one, tag), dynamic=True, fullgraph=True, options=opts)
+        geometry = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, model.dtype, model.weights)
+        one = torch.compile(own_code(_step_one, *geometry), dynamic=True, fullgraph=True, options=opts)
         batch = torch.compile(
-            own_code(_step_batch, tag), dynamic=True, fullgraph=True, options={"guard_filter_fn": _not_inside_model}
+            own_code(_step_batch, *geometry),
+            dynamic=True,
+            fullgraph=True,
+            options={"guard_filter_fn": _not_inside_model},
         )
         _STEPS[model] = (one, batch)
     return _STEPS[model]
+
+
+def _key_blocks(lengths: list[int]) -> int:
+    """Key blocks the longest sequence reads, its new token's row included."""
+    return key_width(max(lengths) + 1) // BLOCK_TOKENS
 
 
 def bucket(n: int) -> int:
@@ -225,7 +233,7 @@ class DecodeGraph:
             if n == 1:
                 tokens, positions, lengths, blocks = tokens * 2, positions * 2, lengths * 2, blocks * 2
             # never 1 column: that size would get a graph of its own (a masked block is free of effect)
-            cols = max(2, key_width(max(lengths) + 1) // BLOCK_TOKENS)
+            cols = max(2, _key_blocks(lengths))
             table = torch.tensor([(b + b[-1:] * cols)[:cols] for b in blocks], device=dev)
             logits, greedy, hidden, kv = self._batch(
                 self.model,
@@ -250,7 +258,7 @@ class DecodeGraph:
         other pools, or past the buckets). Batches are padded with copies of their last
         sequence, which write the same K/V to the same rows."""
         n = len(tokens)
-        cols = bucket(key_width(max(lengths) + 1) // BLOCK_TOKENS)
+        cols = bucket(_key_blocks(lengths))
         rec = self._recorded.get((bucket(n), cols))
         if rec is None or rec.pool != k[0].data_ptr():
             return None
