@@ -183,8 +183,11 @@ def _rows_of(a: object, rows: int) -> bool:
 
 
 def _like(a: torch.Tensor, rows: int) -> torch.Tensor:
+    """`rows` random rows laid out as `a`'s (a view of every other row, say): another
+    layout would compile the kernel again."""
     with torch.inference_mode(a.is_inference()):
-        return torch.randn(rows, *a.shape[1:]).to(a.dtype)
+        t = torch.empty_strided((rows, *a.shape[1:]), a.stride(), dtype=a.dtype, device=a.device)
+        return t.copy_(torch.randn(t.shape))
 
 
 _norm = _Compiled(_rms_norm_ref, lambda x, w, eps: rms_norm_eager(x, w, eps), "RMSNorm")
