@@ -8,17 +8,13 @@ as one run where possible: a contiguous table is read as a view, not gathered.""
 from __future__ import annotations
 
 import bisect
-import math
-from collections.abc import Callable
 
 import torch
 
 from hcache.config import ModelConfig
 from hcache.model.attention import causal_attention, decode_mask, key_width
 from hcache.model.base import DecoderModel
-from hcache.model.cache import same_memory
 from hcache.model.decode import BLOCK_TOKENS, Paged
-from hcache.storage.layout import ALIGN
 
 
 def resident_kv_dtype(choice: str, model: DecoderModel) -> torch.dtype:
@@ -40,20 +36,11 @@ class BlockPool:
             raise ValueError("the block pool needs at least one block")
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.num_blocks = num_blocks
-        # token-major per layer, each token's K then V (as a stored KV chunk holds them): a
-        # block is rows b*64 .. b*64+63, and a restore reads stored chunks straight into it
-        shape = (num_blocks * BLOCK_TOKENS, 2, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = [self._zeros(shape) for _ in range(cfg.num_layers)]
-        self.k = [t[:, 0] for t in self.kv]
-        self.v = [t[:, 1] for t in self.kv]
+        shape = (num_blocks * BLOCK_TOKENS, cfg.num_kv_heads, cfg.head_dim)
+        # token-major per layer: a block is rows b*64 .. b*64+63
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)]
         self._free: list[int] = list(range(num_blocks))  # sorted
-
-    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """Zeros starting on a page boundary, so that O_DIRECT reads land in them."""
-        n = math.prod(shape) * self.dtype.itemsize
-        raw = torch.zeros(n + ALIGN, dtype=torch.uint8, device=self.device)
-        skip = -raw.data_ptr() % ALIGN
-        return raw[skip : skip + n].view(self.dtype).view(shape)
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -111,7 +98,6 @@ class PagedCache:
         self._pending = 0
         self._rows = torch.empty(0, dtype=torch.long, device=pool.device)  # token position -> pool row
         self._one: Paged | None = None  # a one-token forward's attention, for its layers
-        self._drain: Callable[[], None] | None = None  # `hold`'s
 
     @property
     def capacity(self) -> int:
@@ -155,10 +141,7 @@ class PagedCache:
         s = self.length if start is None else start
         rows = self._span(s, k.shape[0])
         if isinstance(rows, slice):
-            dk = self.pool.k[layer][rows]
-            if same_memory(dk, k) and same_memory(self.pool.v[layer][rows], v):
-                return  # a restore read them into place (`kv_rows`)
-            dk.copy_(k)
+            self.pool.k[layer][rows] = k
             self.pool.v[layer][rows] = v
         else:
             self.pool.k[layer].index_copy_(0, rows, k.to(self.pool.dtype))
@@ -171,22 +154,6 @@ class PagedCache:
         if not isinstance(rows, slice) or start + n > self.capacity:
             return None
         return self.pool.k[layer][rows], self.pool.v[layer][rows]
-
-    def kv_rows(self, layer: int, lo: int, hi: int) -> torch.Tensor | None:
-        """Positions `lo..hi` of layer `layer` as pool memory `[n, 2, kv_dim]` (each token's K
-        then V), for a restore to read stored rows into; None when they are not one run."""
-        rows = self._span(lo, hi - lo)
-        if not isinstance(rows, slice) or hi > self.capacity:
-            return None
-        return self.pool.kv[layer][rows].flatten(2)
-
-    def hold(self, drain: Callable[[], None] | None) -> None:
-        self._drain = drain
-
-    def _let_go(self) -> None:
-        """Before blocks go back: a restore's reads in flight must not land in another's rows."""
-        if self._drain is not None:
-            self._drain()
 
     def layer_kv(self, layer: int, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.length if n is None else n
@@ -206,13 +173,11 @@ class PagedCache:
         self.length = min(self.length, n)
         keep = -(-self.length // BLOCK_TOKENS)
         if keep < len(self.blocks):
-            self._let_go()
             self.pool.release(self.blocks[keep:])
             del self.blocks[keep:]
             self._rows = self._rows[: keep * BLOCK_TOKENS]
 
     def free(self) -> None:
-        self._let_go()
         self.pool.release(self.blocks)
         self.blocks, self.length, self._pending = [], 0, 0
         self._rows = self._rows[:0]
@@ -266,6 +231,7 @@ def _decode_step(caches: list[PagedCache]) -> Paged:
     """Where each sequence's new token goes in the pool, and its rows (whole key blocks,
     the rows past it masked) as the attention's keys."""
     pool, dev = caches[0].pool, caches[0].pool.device
+    kvh, d = pool.cfg.num_kv_heads, pool.cfg.head_dim
     lengths = [c.length + 1 for c in caches]
     width = key_width(max(lengths))
     write_rows = torch.cat([c.rows(c.length, 1) for c in caches])
@@ -273,13 +239,13 @@ def _decode_step(caches: list[PagedCache]) -> Paged:
     one = caches[0]
     if len(caches) == 1 and one.contiguous:
         start = one.blocks[0] * BLOCK_TOKENS
-        return Paged(pool.kv, write_rows, lambda p: p.narrow(0, start, width)[None], mask)
+        return Paged(pool.k, pool.v, write_rows, lambda p: p.narrow(0, start, width).view(1, width, kvh, d), mask)
     gathered = []
     for c, n in zip(caches, lengths, strict=True):
         rows = c.rows(0, key_width(n))
         gathered.append(torch.cat([rows, rows[-1:].expand(width - rows.shape[0])]) if rows.shape[0] < width else rows)
     gather, b = torch.cat(gathered), len(caches)
-    return Paged(pool.kv, write_rows, lambda p: p.index_select(0, gather).view(b, width, *p.shape[1:]), mask)
+    return Paged(pool.k, pool.v, write_rows, lambda p: p.index_select(0, gather).view(b, width, kvh, d), mask)
 
 
 def warm_decode(model: DecoderModel, kv_dtype: torch.dtype) -> None:

@@ -99,7 +99,7 @@ class Engine(ClusterTurns):
             omp.on_worker(lambda: graph.warm(kv_dtype))
             if model.device.type == "cuda":  # before any session holds blocks (see `capture`)
                 blocks = min(self.pool.num_blocks, key_width(mc.max_position) // BLOCK_TOKENS)
-                graph.capture(self.pool.kv, self.cfg.max_batch, blocks)
+                graph.capture(self.pool.k, self.pool.v, self.cfg.max_batch, blocks)
         self._wake = threading.Event()
         self.chunks: ClusterChunks | None = None
         if cluster is not None and cluster.tier is not None:

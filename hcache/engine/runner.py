@@ -136,8 +136,9 @@ class Runner:
             c.reserve(1)
         pool = caches[0].pool
         out = self.graph(
-            [q.generated[-1] for q in batch], positions, [c.length for c in caches], [c.blocks for c in caches], pool.kv
-        )
+            [q.generated[-1] for q in batch], positions, [c.length for c in caches], [c.blocks for c in caches],
+            pool.k, pool.v,
+        )  # fmt: skip
         for c in caches:
             c.length += 1
         return out

@@ -13,12 +13,10 @@ import torch.nn.functional as F
 
 from hcache.config import ModelConfig
 from hcache.kernels.fused import own_code
-from hcache.model.cache import same_memory
 
 
 class KVCache:
-    """Per-layer K and V, token-major `[capacity, 2, n_kv_heads, head_dim]` (each token's K
-    then V, as the engine's pool and stored chunks hold them), grown by doubling."""
+    """Per-layer K and V, token-major `[capacity, n_kv_heads, head_dim]`, grown by doubling."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", capacity: int = 256):
         capacity = key_width(capacity)
@@ -28,37 +26,28 @@ class KVCache:
         self.length = 0  # tokens committed in every layer
         self._pending = 0  # tokens of the forward in progress
         self._mask: torch.Tensor | None = None  # a one-token forward's `decode_mask`, for its layers
-        self._drain: Callable[[], None] | None = None  # `hold`'s
-        self._layers([self._empty(capacity) for _ in range(cfg.num_layers)])
-
-    def _layers(self, kv: list[torch.Tensor]) -> None:
-        self.kv = kv
-        self.k = [t[:, 0] for t in kv]
-        self.v = [t[:, 1] for t in kv]
+        self.k = [self._empty(capacity) for _ in range(cfg.num_layers)]
+        self.v = [self._empty(capacity) for _ in range(cfg.num_layers)]
 
     def _empty(self, n: int) -> torch.Tensor:
         # zeros: a decode step reads (masked) rows past `length`, and 0 * NaN would leak through
-        cfg = self.cfg
-        return torch.zeros(n, 2, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
+        return torch.zeros(n, self.cfg.num_kv_heads, self.cfg.head_dim, dtype=self.dtype, device=self.device)
 
     @property
     def capacity(self) -> int:
-        return self.kv[0].shape[0]
+        return self.k[0].shape[0]
 
     def reserve(self, n: int) -> None:
         """Make room for `n` more tokens past `length`."""
         need = self.length + n
         if need <= self.capacity:
             return
-        if self._drain is not None:  # reads may still land in the old rows
-            self._drain()
         cap = key_width(max(need, 2 * self.capacity))
-        grown = []
-        for old in self.kv:
-            new = self._empty(cap)
-            new[: self.length] = old[: self.length]
-            grown.append(new)
-        self._layers(grown)
+        for store in (self.k, self.v):
+            for i, old in enumerate(store):
+                new = self._empty(cap)
+                new[: self.length] = old[: self.length]
+                store[i] = new
 
     def begin(self, n: int, start: int | None = None) -> None:
         """Start a forward of `n` tokens at `start` (default: after the committed ones)."""
@@ -75,22 +64,14 @@ class KVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int | None = None) -> None:
         s = self.length if start is None else start
-        dk, dv = self.k[layer][s : s + k.shape[0]], self.v[layer][s : s + v.shape[0]]
-        if not (same_memory(dk, k) and same_memory(dv, v)):
-            dk.copy_(k)
-            dv.copy_(v)
+        self.k[layer][s : s + k.shape[0]] = k
+        self.v[layer][s : s + v.shape[0]] = v
 
     def dest(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Layer `layer`'s K and V rows for positions `start..start+n`, to be written in place."""
         if start + n > self.capacity:  # a short view would be resized by out= kernels, not filled
             raise ValueError(f"rows {start}..{start + n} past the cache's capacity {self.capacity}")
         return self.k[layer][start : start + n], self.v[layer][start : start + n]
-
-    def kv_rows(self, layer: int, lo: int, hi: int) -> torch.Tensor | None:
-        return self.kv[layer][lo:hi].flatten(2) if hi <= self.capacity else None
-
-    def hold(self, drain: Callable[[], None] | None) -> None:
-        self._drain = drain
 
     def layer_kv(self, layer: int, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.length if n is None else n
@@ -108,10 +89,10 @@ class KVCache:
         self.write(layer, k, v)
         if t == 1:
             n = self.length + 1
-            rows = self.kv[layer][: key_width(n)]
+            keys, values = self.layer_kv(layer, key_width(n))
             if self._mask is None:
-                self._mask = decode_mask(torch.tensor([n], device=q.device), rows.shape[0])
-            return decode_attention(q, rows[None], self._mask, scale)
+                self._mask = decode_mask(torch.tensor([n], device=q.device), keys.shape[0])
+            return decode_attention(q, keys[None], values[None], self._mask, scale)
         keys, values = self.layer_kv(layer, self.length + t)
         return causal_attention(q, keys, values, scale)
 
@@ -129,34 +110,34 @@ def decode_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
     return (torch.arange(width, device=lengths.device)[None, :] < lengths[:, None])[:, None, None, :]
 
 
-def decode_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """One new token per sequence: q `[B, H, D]` over K/V rows `kv` `[B, W, 2, KvH, D]` (each
-    row's K then V, as the caches hold them: one tensor, so that a compiled call guards on
-    one storage offset), W whole key blocks, the rows past each sequence masked
-    (`decode_mask`); returns `[B, H*D]`.
+def decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """One new token per sequence: q `[B, H, D]` over keys/values `[B, W, KvH, D]`, W whole key
+    blocks, the rows past each sequence masked (`decode_mask`); returns `[B, H*D]`.
     Every decode path (alone or batched, eager or inside the compiled step) comes here so
     that a sequence's bits depend neither on its batch nor on the path. On a CPU that is
     `_decode_reductions`, compiled even when called eagerly; elsewhere torch's SDPA, a KV head's
     query heads as that head's query rows (K/V never repeated) in the keys' dtype."""
-    b, _, _, kvh, d = kv.shape
+    b, _, kvh, d = keys.shape
     scale = d**-0.5 if scale is None else scale
     if q.device.type == "cpu":
-        attend = _decode_reductions if torch.compiler.is_compiling() else _compiled_decode(q, kv)
-        return attend(q, kv, mask, scale)
-    qg = q.to(kv.dtype).view(b, kvh, -1, d)
-    keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+        attend = _decode_reductions if torch.compiler.is_compiling() else _compiled_decode(q, keys)
+        return attend(q, keys, values, mask, scale)
+    qg = q.to(keys.dtype).view(b, kvh, -1, d)
+    out = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale)
     return out.reshape(b, -1).to(q.dtype)
 
 
-def _decode_reductions(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _decode_reductions(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """`decode_attention` as plain reductions in float32 (K/V widened, not q rounded), for
     inductor to fuse with the gather of the rows into a few loops: torch's CPU flash kernel
     pays per sequence and head for its small bfloat16 GEMMs. Each sum over keys runs along
     the keys in order per output, so the masked keys a wider batch pads a sequence with add
     exact zeros and a sequence's bits do not depend on its batch."""
-    b, w, _, kvh, d = kv.shape
-    keys, values = kv[:, :, 0], kv[:, :, 1]
+    b, w, kvh, d = keys.shape
     dtype = q.dtype
     # q realized once: inlined into the score loop, its rotary would be recomputed per key
     q = torch.ops.prims.inductor_force_stride_order(q.float() * scale, (q.shape[1] * d, d, 1))
@@ -170,12 +151,12 @@ def _decode_reductions(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sc
 _compiled: dict[tuple, Callable[..., torch.Tensor]] = {}
 
 
-def _compiled_decode(q: torch.Tensor, kv: torch.Tensor) -> Callable[..., torch.Tensor]:
+def _compiled_decode(q: torch.Tensor, keys: torch.Tensor) -> Callable[..., torch.Tensor]:
     """`_decode_reductions` compiled for eager callers, who then run the kernels the compiled
     step inlines, not eager ops that sum in another order. Shapes are dynamic; each head
     layout and dtype pair gets a copy of its own, so that models served side by side (or a
     test session's many) never reach dynamo's limit of graphs per function."""
-    key = (q.dtype, kv.dtype, q.shape[1], *kv.shape[3:])
+    key = (q.dtype, keys.dtype, q.shape[1], *keys.shape[2:])
     if key not in _compiled:
         import torch._inductor.inductor_prims  # registers the prim
 

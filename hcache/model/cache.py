@@ -8,7 +8,6 @@ paged cache and its batch of paged caches implement it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -46,23 +45,9 @@ class KVRows(Cache, Protocol):
         """Views of layer `layer`'s rows `start..start+n` to fill in place, or None (then `write`)."""
         ...
 
-    def kv_rows(self, layer: int, lo: int, hi: int) -> torch.Tensor | None:
-        """Layer `layer`'s rows `lo..hi` as one memory `[n, 2, kv_dim]` (each token's K then V,
-        as stored chunks hold them) that a restore may read into, or None."""
-        ...
-
-    def hold(self, drain: Callable[[], None] | None) -> None:
-        """Until cleared, call `drain` before giving up rows: reads may still land in them."""
-
     def layer_kv(self, layer: int, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s K and V of the first `n` tokens (default: `length`)."""
         ...
 
     def truncate(self, n: int) -> None:
         """Forget tokens past `n`."""
-
-
-def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Are `a` and `b` one memory, laid out alike? (A restore that read rows into a cache's
-    `kv_rows` hands back views of them, which `write` then need not copy.)"""
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype

@@ -43,20 +43,20 @@ class StepOut:
 
 
 class Paged:
-    """The cache contract (model/cache.py) for one decode step over per-layer pools `kv`
-    `[rows, 2, kv_heads, head_dim]` (each row's K then V; eager, or inside the traced step):
-    `rows` `[B]` is where each sequence's new K/V go, `keys(pool)` its rows
-    `[B, width, 2, kv_heads, head_dim]` (whole key blocks, the new token's included) and
-    `mask` which of them it attends to (`decode_mask`)."""
+    """The cache contract (model/cache.py) for one decode step over per-layer pools `k`, `v`
+    (eager, or inside the traced step): `rows` `[B]` is where each sequence's new K/V go,
+    `keys(pool)` its K/V rows `[B, width, kv_heads, head_dim]` (whole key blocks, the new
+    token's included) and `mask` which of them it attends to (`decode_mask`)."""
 
     def __init__(
         self,
-        kv: list[torch.Tensor],
+        k: list[torch.Tensor],
+        v: list[torch.Tensor],
         rows: torch.Tensor,
         keys: Callable[[torch.Tensor], torch.Tensor],
         mask: torch.Tensor,
     ):
-        self.kv, self.rows, self.keys, self.mask = kv, rows, keys, mask
+        self.k, self.v, self.rows, self.keys, self.mask = k, v, rows, keys, mask
         self.new: list[torch.Tensor] = []  # per layer, the rows written: [B, 2, kv_dim]
 
     def begin(self, n: int, start: int | None = None) -> None:
@@ -68,11 +68,12 @@ class Paged:
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
     ) -> torch.Tensor:
-        pool = self.kv[layer]
-        new = torch.stack((k, v), 1).to(pool.dtype)
-        pool.index_copy_(0, self.rows, new)
-        self.new.append(new.flatten(2))
-        return decode_attention(q, self.keys(pool), self.mask, scale)
+        pk, pv = self.k[layer], self.v[layer]
+        k, v = k.to(pk.dtype), v.to(pv.dtype)
+        pk.index_copy_(0, self.rows, k)
+        pv.index_copy_(0, self.rows, v)
+        self.new.append(torch.stack((k, v), 1).flatten(2))
+        return decode_attention(q, self.keys(pk), self.keys(pv), self.mask, scale)
 
 
 def _forward(
@@ -92,7 +93,8 @@ def _step_one(
     model: DecoderModel,
     tokens: torch.Tensor,
     positions: torch.Tensor,
-    kv: list[torch.Tensor],
+    k: list[torch.Tensor],
+    v: list[torch.Tensor],
     start: int,
     length: int,
     width: int,
@@ -101,8 +103,9 @@ def _step_one(
     which the first `length` are held and the next takes the new token's K/V: attention
     reads them where they lie."""
     rows = torch.full((1,), start + length, dtype=torch.long, device=tokens.device)
+    kvh, d = k[0].shape[1:]
     mask = decode_mask(torch.full((1,), length + 1, device=tokens.device), width)
-    cache = Paged(kv, rows, lambda pool: pool.narrow(0, start, width)[None], mask)
+    cache = Paged(k, v, rows, lambda pool: pool.narrow(0, start, width).view(1, width, kvh, d), mask)
     return _forward(model, tokens, positions, cache)
 
 
@@ -112,19 +115,21 @@ def _step_batch(
     positions: torch.Tensor,
     lengths: torch.Tensor,
     table: torch.Tensor,
-    kv: list[torch.Tensor],
+    k: list[torch.Tensor],
+    v: list[torch.Tensor],
 ) -> tuple[torch.Tensor, ...]:
     """Sequences of `lengths` `[B]` rows before this token, their blocks a row of `table`
     `[B, blocks]` (as many blocks as the longest needs with its new token, shorter rows
     padded with any valid block). Each layer gathers every sequence's rows, the table's
     whole width, the rows past each sequence masked."""
     b, dev = tokens.shape[0], tokens.device
+    kvh, d = k[0].shape[1:]
     all_rows = (table[:, :, None] * BLOCK_TOKENS + torch.arange(BLOCK_TOKENS, device=dev)).view(b, -1)
     width = all_rows.shape[1]
     flat = all_rows.reshape(-1)
     rows = all_rows.gather(1, lengths[:, None]).view(b)
     mask = decode_mask(lengths + 1, width)
-    cache = Paged(kv, rows, lambda pool: pool.index_select(0, flat).view(b, width, *pool.shape[1:]), mask)
+    cache = Paged(k, v, rows, lambda pool: pool.index_select(0, flat).view(b, width, kvh, d), mask)
     return _forward(model, tokens, positions, cache)
 
 
@@ -174,7 +179,7 @@ class _Recorded:
     graph: torch.cuda.CUDAGraph
     ins: torch.Tensor  # [b, 3 + cols] int64: token, position, length, then the block table
     out: StepOut
-    pool: int  # the address of the pool the graph writes (layer 0's)
+    pool: int  # the address of the pool the graph writes (layer 0's K)
 
 
 class DecodeGraph:
@@ -209,21 +214,22 @@ class DecodeGraph:
         positions: list[int],
         lengths: list[int],
         blocks: list[list[int]],
-        kv: list[torch.Tensor],
+        k: list[torch.Tensor],
+        v: list[torch.Tensor],
     ) -> StepOut:
         """Sequence i feeds `tokens[i]` at `positions[i]`; it holds `lengths[i]` rows in the
-        pools `kv`, in `blocks[i]`, which already has room for one more."""
-        dev = kv[0].device
+        pools `k`, `v`, in `blocks[i]`, which already has room for one more."""
+        dev = k[0].device
         n = len(tokens)
         if self._recorded:
-            out = self._replay(tokens, positions, lengths, blocks, kv)
+            out = self._replay(tokens, positions, lengths, blocks, k)
             if out is not None:
                 return out
         with torch.inference_mode(), self._floats_fixed:
             if n == 1 and blocks[0][-1] - blocks[0][0] == len(blocks[0]) - 1:
                 t, pos = torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev)
                 start, width = blocks[0][0] * BLOCK_TOKENS, key_width(lengths[0] + 1)
-                return StepOut(*self._one(self.model, t, pos, kv, start, lengths[0], width))
+                return StepOut(*self._one(self.model, t, pos, k, v, start, lengths[0], width))
             if n == 1:
                 tokens, positions, lengths, blocks = tokens * 2, positions * 2, lengths * 2, blocks * 2
             # never 1 column: that size would get a graph of its own (a masked block is free of effect)
@@ -235,7 +241,8 @@ class DecodeGraph:
                 torch.tensor(positions, device=dev),
                 torch.tensor(lengths, device=dev),
                 table,
-                kv,
+                k,
+                v,
             )
         return StepOut(logits[:n], greedy[:n], hidden[:, :n], kv[:, :n])
 
@@ -245,7 +252,7 @@ class DecodeGraph:
         positions: list[int],
         lengths: list[int],
         blocks: list[list[int]],
-        kv: list[torch.Tensor],
+        k: list[torch.Tensor],
     ) -> StepOut | None:
         """The step as the recorded graph of its bucket, None where none was recorded (on
         other pools, or past the buckets). Batches are padded with copies of their last
@@ -253,7 +260,7 @@ class DecodeGraph:
         n = len(tokens)
         cols = bucket(_key_blocks(lengths))
         rec = self._recorded.get((bucket(n), cols))
-        if rec is None or rec.pool != kv[0].data_ptr():
+        if rec is None or rec.pool != k[0].data_ptr():
             return None
         rows = [
             [t, p, n_, *(b + b[-1:] * cols)[:cols]]
@@ -267,20 +274,20 @@ class DecodeGraph:
         o = rec.out
         return StepOut(o.logits[:n], o.greedy[:n], o.hidden[:, :n], o.kv[:, :n])
 
-    def capture(self, kv: list[torch.Tensor], max_batch: int, max_blocks: int) -> float:
-        """Record the batch step as CUDA graphs on the serving pools `kv` (a graph holds
+    def capture(self, k: list[torch.Tensor], v: list[torch.Tensor], max_batch: int, max_blocks: int) -> float:
+        """Record the batch step as CUDA graphs on the serving pools `k`, `v` (a graph holds
         their addresses): one per power-of-two batch size up to `max_batch` and number of key
         blocks up to `max_blocks`. Recording writes K/V rows of block 0, so it runs before any
         sequence holds blocks. Returns the seconds it took."""
         t0 = time.perf_counter()
-        dev = kv[0].device
+        dev = k[0].device
         mempool = torch.cuda.graph_pool_handle()  # the graphs replay one at a time: one pool
         side = torch.cuda.Stream(dev)
         sizes = [(b, c) for b in _powers(max_batch) for c in _powers(max_blocks)]
         with torch.inference_mode(), self._floats_fixed, torch.compiler.set_stance("default"):
             for b, cols in sizes:
                 ins = torch.zeros(b, 3 + cols, dtype=torch.long, device=dev)
-                args = (self.model, ins[:, 0], ins[:, 1], ins[:, 2], ins[:, 3:], kv)
+                args = (self.model, ins[:, 0], ins[:, 1], ins[:, 2], ins[:, 3:], k, v)
                 side.wait_stream(torch.cuda.current_stream(dev))
                 with torch.cuda.stream(side):  # compiles and tunes outside the recording
                     self._batch(*args)
@@ -288,7 +295,7 @@ class DecodeGraph:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=mempool, capture_error_mode="thread_local"):
                     out = StepOut(*self._batch(*args))
-                self._recorded[(b, cols)] = _Recorded(graph, ins, out, kv[0].data_ptr())
+                self._recorded[(b, cols)] = _Recorded(graph, ins, out, k[0].data_ptr())
         took = time.perf_counter() - t0
         log.info("decode step recorded as %d CUDA graphs in %.1f s", len(sizes), took)
         return took
@@ -298,8 +305,9 @@ class DecodeGraph:
         rows are not touched). Returns the seconds it took."""
         t0 = time.perf_counter()
         cfg, dev = self.model.cfg, self.model.device
-        shape = (11 * BLOCK_TOKENS, 2, cfg.num_kv_heads, cfg.head_dim)
-        kv = [torch.zeros(shape, dtype=kv_dtype, device=dev) for _ in range(cfg.num_layers)]
+        shape = (11 * BLOCK_TOKENS, cfg.num_kv_heads, cfg.head_dim)
+        k = [torch.zeros(shape, dtype=kv_dtype, device=dev) for _ in range(cfg.num_layers)]
+        v = [torch.zeros(shape, dtype=kv_dtype, device=dev) for _ in range(cfg.num_layers)]
         # compile even where serving already refuses to (`serve_compiled_only`: a later engine)
         with torch.compiler.set_stance("default"):
             # two values of each size, none equal to another (nor 0 or 1, nor a pool's
@@ -307,11 +315,11 @@ class DecodeGraph:
             # a batch of 2 over 2 key blocks would compile a graph for batches of as many
             # sequences as blocks, and serving would meet no other again
             for first, length in ((5, 100), (7, 130)):
-                self([0], [length], [length], [list(range(first, first + 3))], kv)
+                self([0], [length], [length], [list(range(first, first + 3))], k, v)
             for n, length, pos in ((2, 200, 100), (5, 350, 130)):  # 4 and 6 key blocks
                 cols = key_width(length + 1) // BLOCK_TOKENS
                 # (positions apart from lengths: a learned position table may be shorter)
-                self([0] * n, [pos] * n, [length] * n, [list(range(1, 1 + cols))] * n, kv)
+                self([0] * n, [pos] * n, [length] * n, [list(range(1, 1 + cols))] * n, k, v)
         took = time.perf_counter() - t0
         log.info("decode step compiled in %.1f s", took)
         return took

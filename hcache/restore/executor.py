@@ -143,11 +143,7 @@ class RestoreJob:
         """Start the reads (they run behind the recompute prefix)."""
         self._t0 = time.perf_counter()
         if self.split is None:
-            # stored KV rows are read straight into the cache where it can take them (host memory)
-            into = self.cache.kv_rows if self.model.device.type == "cpu" else None
-            if into is not None:
-                self.cache.hold(self.source.drain)
-            self.source.prepare(self.plan, into)
+            self.source.prepare(self.plan)
         else:
             self.source.prepare_split(self.split)
         if self.plan.n_recompute:  # read setup delays the prefix: the planner charges it there
@@ -186,7 +182,6 @@ class RestoreJob:
     def finish(self) -> RestoreReport:
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
-        self.cache.hold(None)  # every layer is in: no read still lands in the cache
         self.cache.length = len(self.tokens)
         r = self.report
         r.ms = (time.perf_counter() - self._t0) * 1e3

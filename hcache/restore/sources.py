@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from hcache.restore.plan import Plan
-from hcache.restore.state import KVInto, StateSource, StateUnavailable
+from hcache.restore.state import StateSource, StateUnavailable
 from hcache.storage.errors import ChunkError
 from hcache.storage.hydrate import Fetched
 from hcache.storage.layout import CHUNK_TOKENS, Kind
@@ -32,18 +32,16 @@ class StoreSource(StateSource):
     def tokens(self) -> list[int]:
         return self.row.tokens
 
-    def _start(self, wants: list[Want], into: KVInto | None = None) -> None:
+    def _start(self, wants: list[Want]) -> None:
         """Read `wants` from the chunks that hold them (a range may start inside a chunk)."""
         self._ranges = {(w.layer, w.kind): (w.lo, w.hi) for w in wants}
         self._kinds = {}
         for w in wants:
             self._kinds.setdefault(w.layer, []).append(w.kind)
         whole = [Want(w.layer, w.kind, w.lo - w.lo % CHUNK_TOKENS, w.hi) for w in wants]
-        self.drain()  # a reader replaced while it reads could still write `into`'s memory
-        kv_into = (lambda w: into(w.layer, w.lo, w.hi) if w.kind == Kind.KV else None) if into else None
-        self.reader = self.store.reader(self.owner, wants=whole, into=kv_into)
+        self.reader = self.store.reader(self.owner, wants=whole)
 
-    def prepare(self, plan: Plan, into: KVInto | None = None) -> None:
+    def prepare(self, plan: Plan) -> None:
         """Fetch what the plan reads where the layer stores it; the rest fails over to recompute."""
         n = self.row.num_tokens
         self._start(
@@ -51,13 +49,8 @@ class StoreSource(StateSource):
                 Want(layer, m.kind, 0, n)
                 for layer, m in enumerate(plan.methods)
                 if m.kind is not None and m.kind in self.stored[layer]
-            ],
-            into,
+            ]
         )
-
-    def drain(self) -> None:
-        if self.reader is not None:
-            self.reader.drain()
 
     def prepare_split(self, split: int) -> None:
         """Token-wise: tokens before `split` from H, the rest from KV, in every layer."""
@@ -156,15 +149,9 @@ class SharedSource(StateSource):
     def _parts(self) -> list[StateSource]:
         return [self.parent] + ([self.own] if self.own else [])
 
-    def prepare(self, plan: Plan, into: KVInto | None = None) -> None:
-        self.parent.prepare(plan, into)
-        if self.own is not None:
-            base = self.base
-            self.own.prepare(plan, (lambda layer, lo, hi: into(layer, lo + base, hi + base)) if into else None)
-
-    def drain(self) -> None:
+    def prepare(self, plan: Plan) -> None:
         for s in self._parts():
-            s.drain()
+            s.prepare(plan)
 
     def prepare_split(self, split: int) -> None:
         self.parent.prepare_split(min(split, self.base))

@@ -5,7 +5,6 @@ it; the chunk store (hcache/storage) is the persistent source with the same ABC.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -23,18 +22,9 @@ class StateUnavailable(Exception):
         self.layer = layer
 
 
-# (layer, lo, hi) -> memory `[hi - lo, 2, kv_dim]` for those tokens' K then V rows, or None
-KVInto = Callable[[int, int, int], torch.Tensor | None]
-
-
 class StateSource(ABC):
-    def prepare(self, plan: Plan, into: KVInto | None = None) -> None:  # noqa: B027 - optional hook
-        """Start fetching what `plan` will read (a store prefetches; memory has nothing to do).
-        A source that reads may put a layer's KV rows straight into memory `into` gives
-        (then `kv` returns views of it); `drain` waits until it no longer writes there."""
-
-    def drain(self) -> None:  # noqa: B027 - optional hook
-        """Return once no read in flight can still write memory `prepare`'s `into` gave."""
+    def prepare(self, plan: Plan) -> None:  # noqa: B027 - optional hook
+        """Start fetching what `plan` will read (a store prefetches; memory has nothing to do)."""
 
     def ready(self, layer: int) -> bool:
         """Is what `layer` needs under the prepared plan already here? (Never blocks.)"""

@@ -9,7 +9,6 @@ import math
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,8 +25,6 @@ from hcache.storage.slab import aligned_buffer
 from hcache.storage.stats import StoreStats
 from hcache.storage.throttle import TokenBucket
 
-Into = Callable[[Want], torch.Tensor | None]  # where a want's rows go, when the caller has the memory
-
 
 @dataclass(eq=False)  # hashed by identity: per-request tallies key on it
 class LayerSlot:
@@ -36,7 +33,6 @@ class LayerSlot:
     remaining: int
     out: torch.Tensor | None = None  # taken from the layer buffer pool when the first chunk lands
     mem: memoryview | None = None  # `out`'s buffer as bytes, for reads in place
-    given: bool = False  # `out` is the caller's memory (`into`), not a pooled buffer
     ready: threading.Event = field(default_factory=threading.Event)
     error: ChunkError | None = None
 
@@ -58,14 +54,9 @@ class OwnerReader:
         throttle: TokenBucket,
         stats: StoreStats,
         cfg: StorageConfig,
-        into: Into | None = None,
     ):
-        """Read `wants` of `owner`, whose committed chunks are `index`, out of `slabs`' files.
-        `into(want)` may give the memory a want's rows go to (the caller's own, say a KV
-        pool's blocks) instead of a pooled buffer; `drain` then waits out the reads."""
+        """Read `wants` of `owner`, whose committed chunks are `index`, out of `slabs`' files."""
         self.owner, self.shapes, self.slabs, self.pool = owner, shapes, slabs, pool
-        self._reading = 0  # requests submitted and not yet placed
-        self._idle = threading.Condition()
         self.buffers, self.throttle, self.stats, self.cfg = buffers, throttle, stats, cfg
         self.window = max(1, window)
         self.slots: dict[tuple[int, Kind], LayerSlot] = {}
@@ -82,9 +73,6 @@ class OwnerReader:
             slot = self.slots[(w.layer, w.kind)] = LayerSlot(
                 w, (n, width) if w.kind == Kind.HIDDEN else (n, 2, width), last - first
             )
-            given = into(w) if into is not None else None
-            if given is not None and given.shape == slot.shape and given.dtype == shapes[w.kind].dtype:
-                slot.out, slot.given = given, True
             got = wanted_chunks(owner, w, index.get((w.layer, w.kind.value), {}))
             if isinstance(got, ChunkError):
                 slot.error = got
@@ -126,8 +114,6 @@ class OwnerReader:
         with self._planning:
             while (q := self._next) is not None and q.min_layer < horizon:
                 q.not_before = self.throttle.reserve(q.count * self._slot_bytes[q.slab])
-                with self._idle:
-                    self._reading += 1
                 self.pool.submit(q.dir, self._run, q)
                 if self._fresh:  # let the first reader have the GIL: the rest is planned meanwhile
                     self._fresh = False
@@ -138,20 +124,6 @@ class OwnerReader:
         """On a reader thread: read the request's slots, then check them here, while the
         bytes just read are still in the CPU's cache (a verifier thread of its own would read
         them again from memory, taking cores from a turn that runs alongside)."""
-        try:
-            self._read(q)
-        finally:
-            with self._idle:
-                self._reading -= 1
-                self._idle.notify_all()
-
-    def drain(self) -> None:
-        """Wait until no submitted request can still write: before the memory `into` gave is
-        reused, or rows of a layer still in flight are written another way."""
-        with self._idle:
-            self._idle.wait_for(lambda: self._reading == 0)
-
-    def _read(self, q: Request) -> None:
         shape = self.shapes[Kind(q.chunks[0].kind)]
         pool = self.pool
         buf = None
@@ -236,12 +208,12 @@ class OwnerReader:
         """The bytes of the slot's layer buffer, if O_DIRECT can read chunks straight into it."""
         with self._lock:
             self._take(slot)
-            out = slot.out
-            assert out is not None
-            if piece % ALIGN or out.data_ptr() % ALIGN or not out.is_contiguous() or out.device.type != "cpu":
+            assert slot.out is not None
+            root = slot.out if slot.out._base is None else slot.out._base
+            if piece % ALIGN or root.data_ptr() % ALIGN or not root.is_contiguous():
                 return None
             if slot.mem is None:
-                slot.mem = memoryview(out.view(-1).view(torch.uint8).numpy())
+                slot.mem = memoryview(root.view(-1).view(torch.uint8).numpy())
             return slot.mem
 
     def _take(self, slot: LayerSlot) -> None:
@@ -320,8 +292,7 @@ class OwnerReader:
         """The caller is done with `get`'s tensor: its memory serves the next read."""
         for (lay, k), slot in self.slots.items():
             if lay == layer and (kind is None or k == kind) and slot.out is not None and slot.ready.is_set():
-                if not slot.given:
-                    self.buffers.give(slot.out)
+                self.buffers.give(slot.out)
                 slot.out, slot.mem = None, None
 
 

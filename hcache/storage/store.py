@@ -38,7 +38,7 @@ from hcache.storage.layout import (
 from hcache.storage.manifest import OwnerRow, open_manifest
 from hcache.storage.placement import Placement
 from hcache.storage.prefixes import prefix_hashes
-from hcache.storage.reader import Into, OwnerReader, Want, read_chunk
+from hcache.storage.reader import OwnerReader, Want, read_chunk
 from hcache.storage.readpool import ReadPool
 from hcache.storage.slab import aligned_buffer
 from hcache.storage.staging import Segment, StagedBatch, StagingRing
@@ -347,15 +347,9 @@ class ChunkStore:
 
     # --- reading ----------------------------------------------------------------
     def reader(
-        self,
-        owner: str,
-        layers: list[int] | None = None,
-        window: int | None = None,
-        wants: list[Want] | None = None,
-        into: Into | None = None,
+        self, owner: str, layers: list[int] | None = None, window: int | None = None, wants: list[Want] | None = None
     ) -> OwnerReader:
-        """Read every stored kind of `layers` (default: all), or exactly `wants`, up to the
-        durable tokens; into memory `into` gives, where it does (`OwnerReader`)."""
+        """Read every stored kind of `layers` (default: all), or exactly `wants`, up to the durable tokens."""
         row = self.owner_row(owner)
         if wants is None:
             kinds = self.layer_kinds(row)
@@ -377,7 +371,6 @@ class ChunkStore:
             throttle=self.throttle,
             stats=self.stats,
             cfg=self.cfg,
-            into=into,
         )
 
     def read_chunk(self, owner: str, layer: int, idx: int, kind: Kind) -> torch.Tensor:

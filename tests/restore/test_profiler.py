@@ -57,9 +57,9 @@ def test_profile_measures_what_reads_take_from_compute(tiny_folder, tmp_path, mo
     assert set(plain.meta["reads_vs_compute"]) and len(plain.meta["reads_vs_compute"]) == 2
     prepare = StoreSource.prepare
 
-    def slow_prepare(self, plan, into=None) -> None:
+    def slow_prepare(self, plan) -> None:
         time.sleep(0.08)
-        prepare(self, plan, into)
+        prepare(self, plan)
 
     monkeypatch.setattr(StoreSource, "prepare", slow_prepare)
     slow = profiler.run(model, [tmp_path], show=False, re_contexts=(256,), reads_vs_compute=True)
@@ -79,9 +79,9 @@ def test_profile_measures_recompute_beside_reads(tiny_folder, tmp_path, monkeypa
     plain = profiler._io(model, [tmp_path], 256, compute=(256,)).re_reading[256]
     prepare = StoreSource.prepare
 
-    def slow_prepare(self, plan, into=None) -> None:
+    def slow_prepare(self, plan) -> None:
         time.sleep(0.04)
-        prepare(self, plan, into)
+        prepare(self, plan)
 
     monkeypatch.setattr(StoreSource, "prepare", slow_prepare)
     slowed = profiler._io(model, [tmp_path], 256, compute=(256,)).re_reading[256]
