@@ -167,8 +167,10 @@ def test_kill9_during_prefill_flush_and_restore_loses_no_acknowledged_turn(defau
                 c.reply(sid, t, max_new_tokens=12)
             return sid, c.get(sid).num_tokens
 
-    def continues(sid: str, acked: list[str], n_tokens: int) -> None:
-        """After a restart: the session is exactly its acknowledged turns, and goes on exactly."""
+    def continues(sid: str, acked: list[str], n_tokens: int) -> Server:
+        """After a restart: the session is exactly its acknowledged turns, and goes on exactly.
+        Returns the restarted server, still serving (the next case runs on it: every start
+        loads and warms the model)."""
         srv = Server(tmp_path, prof)
         try:
             with Client(srv.target) as c:
@@ -176,8 +178,10 @@ def test_kill9_during_prefill_flush_and_restore_loses_no_acknowledged_turn(defau
                 assert (s.num_tokens, s.turns, s.resident) == (n_tokens, len(acked), False)
                 assert c.reply(sid, last, max_new_tokens=12).text == expected(m, tok, acked, last, p)
                 c.delete(sid)
-        finally:
+        except BaseException:
             srv.kill()
+            raise
+        return srv
 
     # 1. killed while prefilling a long message
     srv = Server(tmp_path, prof)
@@ -188,20 +192,18 @@ def test_kill9_during_prefill_flush_and_restore_loses_no_acknowledged_turn(defau
         srv.kill()
         with pytest.raises(grpc.RpcError):
             list(stream)
-    continues(sid, TURNS, n)
+    srv = continues(sid, TURNS, n)
 
     # 2. killed while a long reply is decoded and its rows are being flushed
-    srv = Server(tmp_path, prof)
     sid, n = session(srv, TURNS)
     with Client(srv.target) as c:
         stream = c.generate(sid, "Write a long poem about the sea.", max_new_tokens=300)
         for _ in range(10):
             next(stream)
         srv.kill()
-    continues(sid, TURNS, n)
+    srv = continues(sid, TURNS, n)
 
     # 3. killed while restoring a long session by recompute (several seconds)
-    srv = Server(tmp_path, prof)
     acked = [TURNS[0], LONG]
     sid, n = session(srv, acked)
     srv.kill()
@@ -211,4 +213,4 @@ def test_kill9_during_prefill_flush_and_restore_loses_no_acknowledged_turn(defau
         time.sleep(1.5)
         assert c.get(sid).busy  # still restoring
         srv.kill()
-    continues(sid, acked, n)
+    continues(sid, acked, n).kill()
