@@ -1,5 +1,5 @@
 """bench/RESULTS.md from the JSON the benchmarks wrote: tables with ratios measured in
-the same run, matplotlib plots, the machine, versions and the commands."""
+the same run, the plots (benchmarks/plots.py), the machine, versions and the commands."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hcache.benchmarks.plots import peers_plots
 from hcache.benchmarks.results_gpu import gpu_section
 
 COMMANDS = """\
@@ -27,69 +28,6 @@ def _load(d: Path, name: str) -> Any:
 
 def _fmt(v: float | None, nd: int = 0) -> str:
     return "-" if v is None else f"{v:,.{nd}f}"
-
-
-def _plots(peers: dict, out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = peers["rows"]
-    hc = sorted((r for r in rows if r["system"] == "hcache"), key=lambda r: r["tokens"])
-    ll = sorted((r for r in rows if r["system"] == "llama.cpp"), key=lambda r: r["tokens"])
-    tf = sorted((r for r in rows if r["system"] == "transformers"), key=lambda r: r["tokens"])
-    names = []
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key, label in (
-        ("restore_auto_ms", "hcache auto"),
-        ("restore_kv_ms", "hcache KV"),
-        ("restore_hidden_ms", "hcache H"),
-        ("restore_re_ms", "hcache RE"),
-    ):
-        ax.plot([r["tokens"] for r in hc], [r[key] for r in hc], "o-", label=label)
-    ax.plot([r["tokens"] for r in ll], [r["load_ms"] for r in ll], "s--", label="llama.cpp state load")
-    ax.plot([r["tokens"] for r in ll], [r["prefill_ms"] for r in ll], "s:", label="llama.cpp recompute")
-    ax.plot([r["tokens"] for r in tf], [r["prefill_ms"] for r in tf], "^:", label="transformers recompute")
-    ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="ms", title="Bringing a context back")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "restore_vs_context.png", dpi=110)
-    names.append("restore_vs_context.png")
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot([r["tokens"] for r in hc], [r["ttft_after_eviction_ms"] for r in hc], "o-", label="hcache (fused)")
-    ax.plot([r["tokens"] for r in ll], [r["ttft_after_eviction_ms"] for r in ll], "s--", label="llama.cpp load+turn")
-    ax.plot([r["tokens"] for r in ll], [r["prefill_ms"] for r in ll], "s:", label="llama.cpp recompute")
-    ax.set(
-        xscale="log", yscale="log", xlabel="context tokens", ylabel="ms", title="TTFT of a 32-token turn after eviction"
-    )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "ttft_after_eviction.png", dpi=110)
-    names.append("ttft_after_eviction.png")
-
-    dec = peers["decode"]
-    keys = sorted(
-        {k for v in dec.values() for k in v if k.startswith("tokens_per_s")}, key=lambda k: int(k.rsplit("b", 1)[1])
-    )
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / len(dec)
-    for i, (system, d) in enumerate(sorted(dec.items())):
-        vals = [1e3 / d["tbt_b1_ms"]] + [d.get(k, 0) for k in keys]
-        ax.bar([x + i * width for x in range(len(vals))], vals, width, label=system)
-    ax.set_xticks(
-        [x + width * (len(dec) - 1) / 2 for x in range(len(keys) + 1)],
-        ["batch 1"] + [k.replace("tokens_per_s_b", "batch ") for k in keys],
-    )
-    ax.set(ylabel="tokens/s (all sequences)", title="Decode")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "decode.png", dpi=110)
-    names.append("decode.png")
-    return names
 
 
 def _targets(peers: dict) -> list[str]:
@@ -273,7 +211,7 @@ def render(results: Path, bench_dir: Path) -> str:
                 f"{(dec['hcache']['tbt_b1_ms'] / saver_off - 1):+.1%}.",
             ]
         lines += ["", *_targets(peers), "", *_quality(peers), *_attention(peers)]
-        for name in _plots(peers, bench_dir):
+        for name in peers_plots(peers, bench_dir):
             lines += [f"![{name}]({name})", ""]
     lines += gpu_section(results)
     for name, title in (
