@@ -162,7 +162,12 @@ def _shape_class(args: tuple) -> tuple:
 
 def _tag(key: tuple) -> str:
     """A shape class as a name: `float32_576__float32` (an RMSNorm's rows and weight)."""
-    return "__".join("_".join(str(x).removeprefix("torch.") for x in part) for part in key)
+    return "__".join("_".join(map(_word, part)) for part in key)
+
+
+def _word(x: object) -> str:
+    """`x` in a name: dtypes without `torch.`."""
+    return str(x).removeprefix("torch.")
 
 
 def own_code(fn: Callable, *parts: object) -> Callable:
@@ -172,7 +177,7 @@ def own_code(fn: Callable, *parts: object) -> Callable:
     file, line and name, for the process and in its cache on disk: a copy with a name of
     its own learns only from its own calls."""
     assert isinstance(fn, types.FunctionType)
-    name = "__".join([fn.__name__, *(str(p).removeprefix("torch.") for p in parts)])
+    name = "__".join([fn.__name__, *map(_word, parts)])
     code = fn.__code__.replace(co_name=name, co_qualname=name)
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
