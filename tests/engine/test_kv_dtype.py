@@ -98,14 +98,12 @@ def test_a_store_of_the_other_kv_dtype_is_refused(tmp_path, tiny_folder):
         store.close()
 
 
-def test_the_serving_default_matches_its_reference(default_model, tmp_path):
+def test_the_serving_default_matches_its_reference(served_default, tmp_path):
     """The default model as `hcache serve` serves it (`--weights auto`: int4 weights, fused
     projections, the oneDNN head; `--kv-dtype auto`: a bfloat16 KV pool; the compiled decode
     step): two sessions decoding together, then turns after KV, H and RE restores, give the
     greedy tokens of a never-evicted eager run over a bfloat16 cache."""
-    from hcache.model.loader import load
-
-    model = load("default", "float32", weights="auto").model
+    model = served_default.model
     assert model.layers[0].wqkv is not None and model.lm_head.packed_bytes
     tok = word_tokenizer(model.cfg.vocab_size)
     eng, store = make_engine(model, tok, [tmp_path / "s"], decode="compiled")
@@ -128,6 +126,7 @@ def test_the_serving_default_matches_its_reference(default_model, tmp_path):
             got, _ = turn(eng, sessions[0].id, token_ids=new, params=p)
             assert got == reference(model, history[0] + new, p, set(), BF16), method
             history[0] += new + got
+        assert eng.runner.graph.graphs() == served_default.warmed  # the engine's warm-up found them compiled
     finally:
         eng.close()
         store.close()

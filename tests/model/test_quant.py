@@ -75,15 +75,14 @@ def test_int4_from_float_is_q4_1_of_the_matrix():
 
 
 @pytest.mark.parametrize("served", [False, True], ids=["bfloat16", "served"])
-def test_int4_stays_close_to_the_float_oracle(default_model, int4_model, served):
+def test_int4_stays_close_to_the_float_oracle(default_model, int4_model, served, request):
     """In bfloat16, and as served (`--weights auto --kv-dtype auto` in float32: int4 weights
     over a bfloat16 KV cache). The stated tolerance: every logit within 3.0 of the oracle's
     (logits span about 60 here; 4.0 under bfloat16 activations, whose residual stream keeps
     8 bits), 90% of greedy tokens the same, perplexity within 1%."""
     ids = default_model.tokenizer.encode(TEXT.read_text())
-    model, kv = (
-        (load("default", "float32", weights="auto").model, torch.bfloat16) if served else (int4_model.model, None)
-    )
+    served_model = request.getfixturevalue("served_default").model if served else None
+    model, kv = (served_model, torch.bfloat16) if served_model else (int4_model.model, None)
     oracle = logits_of(default_model.model, ids)
     got = logits_of(model, ids, kv)
     # measured on an Intel Xeon (AMX): bfloat16 1.79 alone and 2.27 after the storage tests,
