@@ -145,7 +145,11 @@ class Server:
         env = {**os.environ, "HCACHE_HOME": str(tmp_path / "home")}
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.target = f"127.0.0.1:{self.port}"
-        wait_for_server(self.target, alive=lambda: self.proc.poll() is None)
+        try:
+            wait_for_server(self.target, alive=lambda: self.proc.poll() is None)
+        except BaseException:
+            self.kill()
+            raise
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -167,50 +171,56 @@ def test_kill9_during_prefill_flush_and_restore_loses_no_acknowledged_turn(defau
                 c.reply(sid, t, max_new_tokens=12)
             return sid, c.get(sid).num_tokens
 
+    started: list[Server] = []  # every server is killed at the end, whatever failed
+
+    def start(method: str = "auto") -> Server:
+        started.append(Server(tmp_path, prof, method))
+        return started[-1]
+
     def continues(sid: str, acked: list[str], n_tokens: int) -> Server:
         """After a restart: the session is exactly its acknowledged turns, and goes on exactly.
         Returns the restarted server, still serving (the next case runs on it: every start
         loads and warms the model)."""
-        srv = Server(tmp_path, prof)
-        try:
-            with Client(srv.target) as c:
-                s = c.get(sid)
-                assert (s.num_tokens, s.turns, s.resident) == (n_tokens, len(acked), False)
-                assert c.reply(sid, last, max_new_tokens=12).text == expected(m, tok, acked, last, p)
-                c.delete(sid)
-        except BaseException:
-            srv.kill()
-            raise
+        srv = start()
+        with Client(srv.target) as c:
+            s = c.get(sid)
+            assert (s.num_tokens, s.turns, s.resident) == (n_tokens, len(acked), False)
+            assert c.reply(sid, last, max_new_tokens=12).text == expected(m, tok, acked, last, p)
+            c.delete(sid)
         return srv
 
-    # 1. killed while prefilling a long message
-    srv = Server(tmp_path, prof)
-    sid, n = session(srv, TURNS)
-    with Client(srv.target) as c:
-        stream = c.generate(sid, LONG, max_new_tokens=12)
-        time.sleep(1.5)
-        srv.kill()
-        with pytest.raises(grpc.RpcError):
-            list(stream)
-    srv = continues(sid, TURNS, n)
+    try:
+        # 1. killed while prefilling a long message
+        srv = start()
+        sid, n = session(srv, TURNS)
+        with Client(srv.target) as c:
+            stream = c.generate(sid, LONG, max_new_tokens=12)
+            time.sleep(1.5)
+            srv.kill()
+            with pytest.raises(grpc.RpcError):
+                list(stream)
+        srv = continues(sid, TURNS, n)
 
-    # 2. killed while a long reply is decoded and its rows are being flushed
-    sid, n = session(srv, TURNS)
-    with Client(srv.target) as c:
-        stream = c.generate(sid, "Write a long poem about the sea.", max_new_tokens=300)
-        for _ in range(10):
-            next(stream)
-        srv.kill()
-    srv = continues(sid, TURNS, n)
+        # 2. killed while a long reply is decoded and its rows are being flushed
+        sid, n = session(srv, TURNS)
+        with Client(srv.target) as c:
+            stream = c.generate(sid, "Write a long poem about the sea.", max_new_tokens=300)
+            for _ in range(10):
+                next(stream)
+            srv.kill()
+        srv = continues(sid, TURNS, n)
 
-    # 3. killed while restoring a long session by recompute (several seconds)
-    acked = [TURNS[0], LONG]
-    sid, n = session(srv, acked)
-    srv.kill()
-    srv = Server(tmp_path, prof, "recompute")
-    with Client(srv.target) as c:
-        stream = c.generate(sid, last, max_new_tokens=12)
-        time.sleep(1.5)
-        assert c.get(sid).busy  # still restoring
+        # 3. killed while restoring a long session by recompute (several seconds)
+        acked = [TURNS[0], LONG]
+        sid, n = session(srv, acked)
         srv.kill()
-    continues(sid, acked, n).kill()
+        srv = start("recompute")
+        with Client(srv.target) as c:
+            stream = c.generate(sid, last, max_new_tokens=12)
+            time.sleep(1.5)
+            assert c.get(sid).busy  # still restoring
+            srv.kill()
+        continues(sid, acked, n)
+    finally:
+        for srv in started:
+            srv.kill()
