@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from hcache.engine import checks
 from hcache.engine.errors import FailedPrecondition, NotFound
 from hcache.engine.records import SessionMeta
 from hcache.engine.sampler import SamplingParams
@@ -19,6 +20,7 @@ from hcache.storage.errors import LeaseHeld, UnknownOwner
 if TYPE_CHECKING:
     from hcache.engine.cluster import ClusterLink
     from hcache.engine.cluster_chunks import ClusterChunks
+    from hcache.engine.reclaimer import Reclaimer
     from hcache.engine.scheduler import Scheduler
     from hcache.engine.sessions import Registry
 
@@ -29,6 +31,7 @@ class ClusterTurns:
     cluster: ClusterLink | None
     chunks: ClusterChunks | None
     registry: Registry
+    reclaimer: Reclaimer
     scheduler: Scheduler
     lock: threading.RLock
     _adopting: threading.Lock
@@ -45,6 +48,33 @@ class ClusterTurns:
             with self.lock:
                 self.scheduler.evict(s)  # a fork may hold its parent's memory already
                 self.registry.delete(s)
+            raise
+
+    def _turn_refused(self, sid: str, lease: Lease) -> None:
+        """A turn whose lease was taken was refused before it was queued: the rows its lease
+        fetched are dropped and the lease goes back."""
+        assert self.cluster is not None
+        with self.lock:
+            s = self.registry.sessions.get(sid)
+            if s is not None and s.fetched is not None:
+                s.drop_fetched()
+                s.busy = False
+        self.cluster.release(lease)
+
+    def _delete_in_cluster(self, sid: str, tenant: str | None) -> None:
+        """Delete the session or context from the cluster, under its lease; a context that
+        sessions here share is refused."""
+        assert self.cluster is not None
+        lease = self._lease(sid, tenant, any_kind=True)
+        try:
+            with self.lock:
+                s = self.reclaimer.settle(sid, tenant, self.registry.sessions[sid].kind)
+                checks.not_busy(s)
+                if s.kind == "context" and any(o.parent == s.id for o in self.registry.sessions.values()):
+                    raise FailedPrecondition(f"context {s.id} is shared by sessions here; delete them first")
+            self.cluster.delete(lease)
+        except BaseException:
+            self.cluster.release(lease)
             raise
 
     def _record(self, sid: str, tenant: str | None, kind: str | None = "session") -> Record:

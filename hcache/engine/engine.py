@@ -1,59 +1,42 @@
-"""The serving engine: the public calls, and one loop thread that runs continuous
-batching. Each step admits waiting sequences (scheduler), runs one batched decode
-step and advances restore+prefill jobs a layer at a time (runner), so a restoring
-session never stalls the others. A finished turn becomes durable off the loop
-thread. Everything that changes sessions, queues or the pool happens under `self.lock`.
-Cluster mode's leases, adoptions and fetches are in cluster_turns.py."""
+"""The serving engine: the public calls, and one loop thread (loop.py) that runs
+continuous batching. A finished turn becomes durable off the loop thread. Everything that
+changes sessions, queues or the pool happens under `self.lock`. Cluster mode's leases,
+adoptions and fetches are in cluster_turns.py."""
 
 from __future__ import annotations
 
-import heapq
 import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 
-import torch
-
-from hcache import omp
 from hcache.config import EngineConfig
 from hcache.engine import checks
-from hcache.engine.block_pool import BlockPool, resident_kv_dtype, warm_decode
+from hcache.engine.block_pool import BlockPool, resident_kv_dtype
 from hcache.engine.cluster import ClusterLink
 from hcache.engine.cluster_chunks import ClusterChunks
 from hcache.engine.cluster_turns import ClusterTurns
-from hcache.engine.errors import (
-    EngineError,
-    FailedPrecondition,
-    InvalidArgument,
-    ResourceExhausted,
-    Unavailable,
-)
+from hcache.engine.errors import FailedPrecondition, InvalidArgument, Unavailable
 from hcache.engine.finisher import Finisher
 from hcache.engine.generate import common_prefix
+from hcache.engine.loop import Loop
 from hcache.engine.reclaimer import Reclaimer
-from hcache.engine.records import Counters, EngineSnapshot, RestoreResult, SessionRow, StorageState
+from hcache.engine.records import Counters, EngineSnapshot, RestoreResult, StorageState
 from hcache.engine.runner import Runner
 from hcache.engine.sampler import SamplingParams
 from hcache.engine.scheduler import Scheduler
 from hcache.engine.sequence import Event, EventSink, Sequence, Session, TextStream
 from hcache.engine.sessions import Registry, layer_kinds_for
 from hcache.engine.telemetry import Telemetry
-from hcache.malloc import trim_when_idle
-from hcache.model.attention import key_width
 from hcache.model.base import DecoderModel
 from hcache.model.decode import BLOCK_TOKENS
 from hcache.model.tokenizer import Tokenizer
 from hcache.restore.plan import Method
 from hcache.restore.profile import Profile
-from hcache.storage.errors import StorageError
 from hcache.storage.layout import CHUNK_TOKENS
 from hcache.storage.store import ChunkStore
 
 log = logging.getLogger(__name__)
-RECENT_SESSIONS = 200  # rows of the dashboard's session table
-INTERNAL = "internal error in the engine; see the server log"
 
 
 class Engine(ClusterTurns):
@@ -92,14 +75,7 @@ class Engine(ClusterTurns):
         self.counters = Counters()
         self.scheduler = Scheduler(self.pool, self.registry.sessions, self.cfg.max_batch, self.counters)
         self.runner = Runner(model, store, self.cfg)
-        # compiled now, so that no request waits for it
-        omp.on_worker(lambda: warm_decode(model, kv_dtype))
-        if self.runner.graph is not None:
-            graph = self.runner.graph
-            omp.on_worker(lambda: graph.warm(kv_dtype))
-            if model.device.type == "cuda":  # before any session holds blocks (see `capture`)
-                blocks = min(self.pool.num_blocks, key_width(mc.max_position) // BLOCK_TOKENS)
-                graph.capture(self.pool.k, self.pool.v, self.cfg.max_batch, blocks)
+        self.runner.warm(self.pool)
         self._wake = threading.Event()
         self.chunks: ClusterChunks | None = None
         if cluster is not None and cluster.tier is not None:
@@ -113,21 +89,14 @@ class Engine(ClusterTurns):
         self._adopting = threading.Lock()  # one context recomputed from the cluster at a time
         self.settled = threading.Condition(self.lock)  # a session the reclaimer held is free again
         self.reclaimer = Reclaimer(
-            store,
-            self.registry,
-            self.lock,
-            self.settled,
-            self.cfg,
-            self.counters,
-            self.scheduler.evict,
-            self._wake.set,
-            self.scheduler.queued,
-        )
+            store, self.registry, self.lock, self.settled, self.cfg, self.counters,
+            self.scheduler.evict, self._wake.set, self.scheduler.queued,
+        )  # fmt: skip
         self.draining = False
-        self._stop = False
-        self._threads = omp.compute_threads()
-        self._thread = threading.Thread(target=self._loop, name="hcache-engine", daemon=True)
-        self._thread.start()
+        self.loop = Loop(
+            store, profile, self.registry, self.scheduler, self.runner, self.finisher, self.reclaimer,
+            self.chunks, self.counters, self.telemetry, self.lock, self._wake, model.device,
+        )  # fmt: skip
 
     # --- public API (called from RPC threads) -------------------------------------
     def create_session(
@@ -242,13 +211,8 @@ class Engine(ClusterTurns):
         try:
             seq = self._queue_turn(session_id, message, token_ids, params, stops, tenant, events)
         except BaseException:
-            if lease is not None and self.cluster is not None:
-                with self.lock:
-                    s = self.registry.sessions.get(session_id)
-                    if s is not None and s.fetched is not None:
-                        s.drop_fetched()
-                        s.busy = False
-                self.cluster.release(lease)
+            if lease is not None:
+                self._turn_refused(session_id, lease)
             raise
         seq.lease = lease
         self._submit(seq)
@@ -327,17 +291,7 @@ class Engine(ClusterTurns):
     def delete(self, session_id: str, tenant: str | None = None) -> None:
         """Delete a session, or a context no session uses (here; in cluster mode, anywhere)."""
         if self.cluster is not None:
-            lease = self._lease(session_id, tenant, any_kind=True)
-            try:
-                with self.lock:
-                    s = self.reclaimer.settle(session_id, tenant, self.registry.sessions[session_id].kind)
-                    checks.not_busy(s)
-                    if s.kind == "context" and any(o.parent == s.id for o in self.registry.sessions.values()):
-                        raise FailedPrecondition(f"context {s.id} is shared by sessions here; delete them first")
-                self.cluster.delete(lease)
-            except BaseException:
-                self.cluster.release(lease)
-                raise
+            self._delete_in_cluster(session_id, tenant)
         with self.lock:
             s = self.registry.sessions.get(session_id)
             kind = s.kind if s is not None else "session"
@@ -390,9 +344,7 @@ class Engine(ClusterTurns):
 
     def close(self) -> None:
         self.reclaimer.close()
-        self._stop = True
-        self._wake.set()
-        self._thread.join()
+        self.loop.stop()
         self.finisher.close()
         if self.chunks is not None:
             self.chunks.close()
@@ -402,26 +354,11 @@ class Engine(ClusterTurns):
     def snapshot(self) -> EngineSnapshot:
         """The state GetStats, /metrics and the dashboard show, read at once."""
         storage = StorageState.of(self.store)  # disk usage, read outside the engine's lock
-        per_block = BlockPool.bytes_per_block(self.model.cfg, self.pool.dtype)
         with self.lock:
-            owners = list(self.registry.sessions.values())
-            sessions = [s for s in owners if s.kind == "session"]
-            recent = heapq.nlargest(RECENT_SESSIONS, owners, key=lambda s: s.last_used)
-            return EngineSnapshot(
-                time=time.time(),
-                model=self.model_name,
-                draining=self.draining,
-                counters=replace(self.counters),
-                queue=self.scheduler.queue_depth(),
-                sessions=len(sessions),
-                contexts=len(owners) - len(sessions),
-                resident_sessions=sum(s.resident for s in sessions),
-                resident_bytes=(self.pool.num_blocks - self.pool.num_free) * per_block,
-                budget_bytes=self.pool.num_blocks * per_block,
-                recent=[SessionRow.of(s) for s in recent],
-                storage=storage,
-                cluster=self.cluster.state() if self.cluster is not None else None,
-            )
+            return EngineSnapshot.of(
+                self.model_name, self.draining, self.counters, self.scheduler, self.registry, self.pool, storage,
+                self.cluster.state() if self.cluster is not None else None,
+            )  # fmt: skip
 
     # --- helpers -------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -455,131 +392,3 @@ class Engine(ClusterTurns):
         seq.done.wait()
         if seq.error is not None:
             raise seq.error
-
-    # --- the loop ------------------------------------------------------------------
-    def _loop(self) -> None:
-        if self.model.device.type == "cpu":
-            torch.set_grad_enabled(False)
-            omp.use_compute_threads(self._threads)
-        with torch.inference_mode():
-            while not self._stop:
-                try:
-                    with self.lock:
-                        worked = self._step()
-                except Exception:  # a bug must not kill the loop silently: fail what was running
-                    log.exception("engine step failed")
-                    with self.lock:
-                        for seq in [*self.scheduler.prefilling, *self.scheduler.decoding]:
-                            self.finisher.fail(seq, EngineError(INTERNAL))
-                    worked = True
-                if not worked:
-                    trim_when_idle()
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-
-    def _step(self) -> bool:
-        """Admit what fits, one decode step over the batch, restore+prefill in the time left."""
-        worked = self._admit()
-        if self.scheduler.decoding:
-            self._decode()
-            worked = True
-        return self.runner.prefill(self.scheduler.prefilling, self.scheduler.decoding, self._prefill_ended) or worked
-
-    def _admit(self) -> bool:
-        worked = False
-        for seq, refused in self.scheduler.admit():
-            if refused is None:
-                try:
-                    if not self.reclaimer.has_room(seq):
-                        self.scheduler.waiting.appendleft(seq)  # no blocks taken yet: it keeps its place
-                        return worked
-                except ResourceExhausted as e:  # more than the whole store holds
-                    refused = e
-            worked = True
-            if refused is not None:
-                self.finisher.fail(seq, refused)
-                continue
-            try:
-                self._start(seq)
-            except EngineError as e:
-                self.finisher.fail(seq, e)
-            except StorageError as e:
-                self.finisher.fail(seq, FailedPrecondition(str(e)))
-            except Exception:  # it left the queue: failing the step would not fail it
-                log.exception("starting a turn of %s failed", seq.session.id)
-                self.finisher.fail(seq, EngineError(INTERNAL))
-        return worked
-
-    def _start(self, seq: Sequence) -> None:
-        s = seq.session
-        seq.t_start = time.perf_counter()
-        plan = source = None
-        fetched = s.fetched  # cleared once the job holds it: until then a failure drops it
-        if fetched is not None and seq.keep - s.base <= fetched.start:
-            fetched = None  # the conversation was re-rendered before them: they are not used
-        if fetched is not None:
-            fetched = fetched.head(seq.keep - s.base - fetched.start)
-        if s.cache is None and seq.keep:
-            cap = self.store.cfg.read_cap_gbps or None  # the store's token bucket holds reads to it
-            plan, seq.predicted_ms = self.registry.plan(s, seq.keep, self.profile, seq.restore_method, cap, fetched)
-        if seq.keep < len(s.tokens):  # the conversation was re-rendered differently: drop the rest
-            if s.cache is not None:
-                s.cache.truncate(seq.keep)
-            if fetched is None:
-                self.store.truncate(s.id, seq.keep - s.base)
-            del s.tokens[seq.keep :]
-        if fetched is not None and self.chunks is not None:
-            self.chunks.used(fetched)
-        if plan is not None:
-            source = self.registry.source(s, seq.keep, fetched)
-            seq.plan = plan
-        self.scheduler.allocate(seq)
-        self.runner.start(seq, plan, source, fetched)
-        s.fetched = None
-        s.last_used = time.monotonic()
-        self.scheduler.to_prefill(seq)
-
-    def _prefill_ended(self, seq: Sequence, error: Exception | None) -> None:
-        if error is not None:
-            self.finisher.fail(seq, error)
-            return
-        s, job = seq.session, seq.job
-        assert job is not None
-        rep = job.report
-        s.tokens[seq.keep :] = seq.new_tokens
-        if seq.plan is not None:
-            self.counters.restores += 1
-            self.counters.fallback_layers += rep.fallback_layers
-            s.last_plan, s.last_restore_ms = seq.plan, rep.restore_ms
-            counts = seq.plan.counts()
-            mix = "+".join(m.short for m in Method if counts[m.value])
-            self.telemetry.on_restore(mix, seq.plan.mix(), rep.restore_ms)
-        if seq.restore_only:
-            seq.restored = seq.restore_result()
-        if seq.restore_only or not seq.sample:
-            self.scheduler.remove(seq)
-            self.finisher.finish(seq, "restored" if seq.restore_only else "stored")
-            return
-        token = self.runner.first_token(seq)
-        seq.t_first = time.perf_counter()
-        self.telemetry.on_ttft((seq.t_first - seq.t_submit) * 1e3)
-        self.scheduler.to_decode(seq)
-        self._emit(seq, token)
-
-    def _decode(self) -> None:
-        batch = self.scheduler.decode_batch()
-        tokens = self.runner.decode(batch)
-        now = time.perf_counter()
-        for seq, token in zip(batch, tokens, strict=True):
-            seq.tbt_ms.append((now - seq.t_last) * 1e3)
-            self.telemetry.on_tbt(seq.tbt_ms[-1])
-            self._emit(seq, token)
-        self.scheduler.rotate(batch)
-
-    def _emit(self, seq: Sequence, token: int) -> None:
-        event, reason = seq.push(token)
-        self.counters.generated_tokens += 1
-        seq.events.put(event)
-        if reason:
-            self.scheduler.decoding.remove(seq)
-            self.finisher.finish(seq, reason)

@@ -4,16 +4,23 @@ and the session meta the manifest keeps next to a session's token ids."""
 
 from __future__ import annotations
 
+import heapq
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from hcache.restore.plan import Plan
 from hcache.storage.store import DirUsage
 
+RECENT_SESSIONS = 200  # rows of the dashboard's session table
+
 if TYPE_CHECKING:
+    from hcache.engine.block_pool import BlockPool
     from hcache.engine.cluster import ClusterState
+    from hcache.engine.scheduler import Scheduler
     from hcache.engine.sequence import Session
+    from hcache.engine.sessions import Registry
     from hcache.storage.store import ChunkStore
 
 
@@ -168,6 +175,39 @@ class EngineSnapshot:
     recent: list[SessionRow]  # the most recently used sessions and contexts first
     storage: StorageState
     cluster: ClusterState | None = None  # cluster mode only
+
+    @classmethod
+    def of(
+        cls,
+        model: str,
+        draining: bool,
+        counters: Counters,
+        scheduler: Scheduler,
+        registry: Registry,
+        pool: BlockPool,
+        storage: StorageState,
+        cluster: ClusterState | None,
+    ) -> EngineSnapshot:
+        """Read under the engine's lock."""
+        owners = list(registry.sessions.values())
+        sessions = [s for s in owners if s.kind == "session"]
+        recent = heapq.nlargest(RECENT_SESSIONS, owners, key=lambda s: s.last_used)
+        per_block = pool.bytes_per_block(pool.cfg, pool.dtype)
+        return cls(
+            time=time.time(),
+            model=model,
+            draining=draining,
+            counters=replace(counters),
+            queue=scheduler.queue_depth(),
+            sessions=len(sessions),
+            contexts=len(owners) - len(sessions),
+            resident_sessions=sum(s.resident for s in sessions),
+            resident_bytes=(pool.num_blocks - pool.num_free) * per_block,
+            budget_bytes=pool.num_blocks * per_block,
+            recent=[SessionRow.of(s) for s in recent],
+            storage=storage,
+            cluster=cluster,
+        )
 
 
 @dataclass

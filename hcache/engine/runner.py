@@ -12,15 +12,17 @@ from collections.abc import Callable
 
 import torch
 
+from hcache import omp
 from hcache.config import EngineConfig
-from hcache.engine.block_pool import BatchCache, PagedCache
+from hcache.engine.block_pool import BatchCache, BlockPool, PagedCache, warm_decode
 from hcache.engine.errors import EngineError
 from hcache.engine.prefill import PrefillJob
 from hcache.engine.sampler import Sampler
 from hcache.engine.saver import Saver, finish_decode
 from hcache.engine.sequence import Phase, Sequence
+from hcache.model.attention import key_width
 from hcache.model.base import DecoderModel
-from hcache.model.decode import DecodeGraph, StepOut
+from hcache.model.decode import BLOCK_TOKENS, DecodeGraph, StepOut
 from hcache.restore.plan import Plan
 from hcache.restore.state import StateSource
 from hcache.storage.hydrate import Fetched
@@ -36,6 +38,19 @@ class Runner:
         # recent decode steps: (whole step, the compiled graph's call) in ms; the difference
         # is the host's Python work around it (tables, staging, sampling)
         self.step_ms: deque[tuple[float, float]] = deque(maxlen=512)
+
+    def warm(self, pool: BlockPool) -> None:
+        """Compile the decode steps for `pool`'s dtype now, so that no request waits for it
+        (on CUDA, also record the step's graphs over the pool's rows)."""
+        model, kv_dtype = self.model, pool.dtype
+        omp.on_worker(lambda: warm_decode(model, kv_dtype))
+        graph = self.graph
+        if graph is None:
+            return
+        omp.on_worker(lambda: graph.warm(kv_dtype))
+        if model.device.type == "cuda":  # before any session holds blocks (see `capture`)
+            blocks = min(pool.num_blocks, key_width(model.cfg.max_position) // BLOCK_TOKENS)
+            graph.capture(pool.k, pool.v, self.cfg.max_batch, blocks)
 
     def start(self, seq: Sequence, plan: Plan | None, source: StateSource | None, fetched: Fetched | None) -> None:
         """The turn's job: restore by `plan` from `source` (when not resident), then prefill.

@@ -1,0 +1,190 @@
+"""The engine's loop thread: continuous batching. Each step admits waiting sequences
+(scheduler), runs one batched decode step and advances restore+prefill jobs a layer at a
+time (runner), so a restoring session never stalls the others. A step runs under the
+engine's lock; the public calls (engine.py) only queue work and wake the loop."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hcache import omp
+from hcache.engine.cluster_chunks import ClusterChunks
+from hcache.engine.errors import EngineError, FailedPrecondition, ResourceExhausted
+from hcache.engine.finisher import Finisher
+from hcache.engine.reclaimer import Reclaimer
+from hcache.engine.records import Counters
+from hcache.engine.runner import Runner
+from hcache.engine.scheduler import Scheduler
+from hcache.engine.sequence import Sequence
+from hcache.engine.sessions import Registry
+from hcache.engine.telemetry import Telemetry
+from hcache.malloc import trim_when_idle
+from hcache.restore.plan import Method
+from hcache.restore.profile import Profile
+from hcache.storage.errors import StorageError
+from hcache.storage.store import ChunkStore
+
+log = logging.getLogger(__name__)
+INTERNAL = "internal error in the engine; see the server log"
+
+
+@dataclass(eq=False)
+class Loop:
+    """What a step works with: the engine's parts, shared with its public calls."""
+
+    store: ChunkStore
+    profile: Profile
+    registry: Registry
+    scheduler: Scheduler
+    runner: Runner
+    finisher: Finisher
+    reclaimer: Reclaimer
+    chunks: ClusterChunks | None
+    counters: Counters
+    telemetry: Telemetry
+    lock: threading.RLock
+    wake: threading.Event  # set by whatever gives the loop work
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        self._stop = False
+        self._threads = omp.compute_threads()
+        self._thread = threading.Thread(target=self._run, name="hcache-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self.wake.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        if self.device.type == "cpu":
+            torch.set_grad_enabled(False)
+            omp.use_compute_threads(self._threads)
+        with torch.inference_mode():
+            while not self._stop:
+                try:
+                    with self.lock:
+                        worked = self._step()
+                except Exception:  # a bug must not kill the loop silently: fail what was running
+                    log.exception("engine step failed")
+                    with self.lock:
+                        for seq in [*self.scheduler.prefilling, *self.scheduler.decoding]:
+                            self.finisher.fail(seq, EngineError(INTERNAL))
+                    worked = True
+                if not worked:
+                    trim_when_idle()
+                    self.wake.wait(0.05)
+                    self.wake.clear()
+
+    def _step(self) -> bool:
+        """Admit what fits, one decode step over the batch, restore+prefill in the time left."""
+        worked = self._admit()
+        if self.scheduler.decoding:
+            self._decode()
+            worked = True
+        return self.runner.prefill(self.scheduler.prefilling, self.scheduler.decoding, self._prefill_ended) or worked
+
+    def _admit(self) -> bool:
+        worked = False
+        for seq, refused in self.scheduler.admit():
+            if refused is None:
+                try:
+                    if not self.reclaimer.has_room(seq):
+                        self.scheduler.waiting.appendleft(seq)  # no blocks taken yet: it keeps its place
+                        return worked
+                except ResourceExhausted as e:  # more than the whole store holds
+                    refused = e
+            worked = True
+            if refused is not None:
+                self.finisher.fail(seq, refused)
+                continue
+            try:
+                self._start(seq)
+            except EngineError as e:
+                self.finisher.fail(seq, e)
+            except StorageError as e:
+                self.finisher.fail(seq, FailedPrecondition(str(e)))
+            except Exception:  # it left the queue: failing the step would not fail it
+                log.exception("starting a turn of %s failed", seq.session.id)
+                self.finisher.fail(seq, EngineError(INTERNAL))
+        return worked
+
+    def _start(self, seq: Sequence) -> None:
+        s = seq.session
+        seq.t_start = time.perf_counter()
+        plan = source = None
+        fetched = s.fetched  # cleared once the job holds it: until then a failure drops it
+        if fetched is not None and seq.keep - s.base <= fetched.start:
+            fetched = None  # the conversation was re-rendered before them: they are not used
+        if fetched is not None:
+            fetched = fetched.head(seq.keep - s.base - fetched.start)
+        if s.cache is None and seq.keep:
+            cap = self.store.cfg.read_cap_gbps or None  # the store's token bucket holds reads to it
+            plan, seq.predicted_ms = self.registry.plan(s, seq.keep, self.profile, seq.restore_method, cap, fetched)
+        if seq.keep < len(s.tokens):  # the conversation was re-rendered differently: drop the rest
+            if s.cache is not None:
+                s.cache.truncate(seq.keep)
+            if fetched is None:
+                self.store.truncate(s.id, seq.keep - s.base)
+            del s.tokens[seq.keep :]
+        if fetched is not None and self.chunks is not None:
+            self.chunks.used(fetched)
+        if plan is not None:
+            source = self.registry.source(s, seq.keep, fetched)
+            seq.plan = plan
+        self.scheduler.allocate(seq)
+        self.runner.start(seq, plan, source, fetched)
+        s.fetched = None
+        s.last_used = time.monotonic()
+        self.scheduler.to_prefill(seq)
+
+    def _prefill_ended(self, seq: Sequence, error: Exception | None) -> None:
+        if error is not None:
+            self.finisher.fail(seq, error)
+            return
+        s, job = seq.session, seq.job
+        assert job is not None
+        rep = job.report
+        s.tokens[seq.keep :] = seq.new_tokens
+        if seq.plan is not None:
+            self.counters.restores += 1
+            self.counters.fallback_layers += rep.fallback_layers
+            s.last_plan, s.last_restore_ms = seq.plan, rep.restore_ms
+            counts = seq.plan.counts()
+            mix = "+".join(m.short for m in Method if counts[m.value])
+            self.telemetry.on_restore(mix, seq.plan.mix(), rep.restore_ms)
+        if seq.restore_only:
+            seq.restored = seq.restore_result()
+        if seq.restore_only or not seq.sample:
+            self.scheduler.remove(seq)
+            self.finisher.finish(seq, "restored" if seq.restore_only else "stored")
+            return
+        token = self.runner.first_token(seq)
+        seq.t_first = time.perf_counter()
+        self.telemetry.on_ttft((seq.t_first - seq.t_submit) * 1e3)
+        self.scheduler.to_decode(seq)
+        self._emit(seq, token)
+
+    def _decode(self) -> None:
+        batch = self.scheduler.decode_batch()
+        tokens = self.runner.decode(batch)
+        now = time.perf_counter()
+        for seq, token in zip(batch, tokens, strict=True):
+            seq.tbt_ms.append((now - seq.t_last) * 1e3)
+            self.telemetry.on_tbt(seq.tbt_ms[-1])
+            self._emit(seq, token)
+        self.scheduler.rotate(batch)
+
+    def _emit(self, seq: Sequence, token: int) -> None:
+        event, reason = seq.push(token)
+        self.counters.generated_tokens += 1
+        seq.events.put(event)
+        if reason:
+            self.scheduler.decoding.remove(seq)
+            self.finisher.finish(seq, reason)
