@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from hcache.restore.plan import Plan
-from hcache.storage.store import DirUsage
+from hcache.storage.stats import DirUsage
 
 RECENT_SESSIONS = 200  # rows of the dashboard's session table
 

@@ -38,3 +38,18 @@ def release_order(kinds: list[Stored]) -> list[tuple[int, Kind]]:
             if kind in ks and (layer, kind) not in order:
                 order.append((layer, kind))
     return order
+
+
+def to_release(held: dict[tuple[int, Kind], int], nbytes: int) -> set[tuple[int, Kind]]:
+    """The first pairs of `held` (bytes per (layer, kind), in `release_order`) whose bytes
+    reach `nbytes`; pairs holding nothing are skipped: giving one up frees nothing and
+    demotes the layer for good."""
+    drop: set[tuple[int, Kind]] = set()
+    freed = 0
+    for pair, size in held.items():
+        if freed >= nbytes:
+            break
+        if size:
+            drop.add(pair)
+            freed += size
+    return drop

@@ -1,10 +1,22 @@
-"""A store's counters. The parts that count (the readers, the buffer pool) get
-this object and bump it through its methods, which several threads call at once."""
+"""A store's counters, and what each directory holds. The parts that count (the readers,
+the buffer pool) get the counters and bump them through their methods, which several
+threads call at once."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+
+
+@dataclass
+class DirUsage:
+    path: str
+    used_bytes: int  # slots referenced by committed chunks
+    slab_bytes: int  # size of the slab files
+    quota_bytes: int
+    fs_free_bytes: int
+    chunks: int
+    bytes_written: int = 0
 
 
 @dataclass

@@ -14,14 +14,13 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hcache.config import ModelConfig, StorageConfig
 from hcache.storage.buffers import LayerBuffers, chunk_pools
-from hcache.storage.capacity import Space, release_order
+from hcache.storage.capacity import Space, release_order, to_release
 from hcache.storage.errors import FingerprintMismatch, StorageError, StoreLocked
 from hcache.storage.flusher import DirWriter, FlushTail, Forget, Packer
 from hcache.storage.layout import (
@@ -42,23 +41,12 @@ from hcache.storage.reader import OwnerReader, Want, read_chunk
 from hcache.storage.readpool import ReadPool
 from hcache.storage.slab import aligned_buffer
 from hcache.storage.staging import Segment, StagedBatch, StagingRing
-from hcache.storage.stats import StoreStats
+from hcache.storage.stats import DirUsage, StoreStats
 from hcache.storage.throttle import TokenBucket
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.sqlite"
 LOCK = "hcache.lock"
-
-
-@dataclass
-class DirUsage:
-    path: str
-    used_bytes: int  # slots referenced by committed chunks
-    slab_bytes: int  # size of the slab files
-    quota_bytes: int
-    fs_free_bytes: int
-    chunks: int
-    bytes_written: int = 0
 
 
 class ChunkStore:
@@ -315,15 +303,9 @@ class ChunkStore:
         Returns the bytes freed."""
         kinds = self.layer_kinds(self.owner_row(owner))
         index = self.placement.chunk_index(owner)
-        drop: set[tuple[int, Kind]] = set()
-        estimate = 0
-        for layer, kind in release_order(kinds):
-            if estimate >= nbytes:
-                break
-            chunks = len(index.get((layer, kind.value), {}))
-            if chunks:  # giving up a layer with nothing in it frees nothing and demotes for good
-                drop.add((layer, kind))
-                estimate += chunks * self.shapes[kind].slot_bytes
+        held = {(layer, kind): len(index.get((layer, kind.value), {})) * self.shapes[kind].slot_bytes
+                for layer, kind in release_order(kinds)}  # fmt: skip
+        drop = to_release(held, nbytes)
         if not drop:
             return 0
         left = [ks - {k for la, k in drop if la == layer} for layer, ks in enumerate(kinds)]
@@ -392,8 +374,7 @@ class ChunkStore:
         out = []
         for d, path in enumerate(self.dirs):
             used, slab_bytes, chunks = self.placement.dir_usage(d)
-            free = shutil.disk_usage(path).free
-            written = self.writers[d].bytes_written
+            free, written = shutil.disk_usage(path).free, self.writers[d].bytes_written
             out.append(DirUsage(str(path), used, slab_bytes, self.placement.quota_bytes, free, chunks, written))
         return out
 
