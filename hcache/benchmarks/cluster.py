@@ -27,7 +27,8 @@ import urllib.request
 from pathlib import Path
 
 from hcache.benchmarks import report
-from hcache.benchmarks.serve import WORDS, SessionPlan, _free_port, cpu_name, make_trace, play
+from hcache.benchmarks.serve import _free_port, cpu_name
+from hcache.benchmarks.trace import WORDS, SessionPlan, make_trace, play
 from hcache.client import Client, wait_for_server
 
 METRICS = {  # what a phase reports, summed over replicas: /metrics sample -> key
