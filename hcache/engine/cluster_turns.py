@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from hcache.engine import checks
 from hcache.engine.errors import FailedPrecondition, NotFound
+from hcache.engine.lock import EngineLock
 from hcache.engine.records import SessionMeta
 from hcache.engine.sampler import SamplingParams
 from hcache.engine.sequence import Sequence, Session
@@ -33,7 +34,7 @@ class ClusterTurns:
     registry: Registry
     reclaimer: Reclaimer
     scheduler: Scheduler
-    lock: threading.RLock
+    lock: EngineLock
     _adopting: threading.Lock
     _sequence: Callable[..., Sequence]
     _submit: Callable[[Sequence], None]

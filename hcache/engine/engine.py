@@ -19,6 +19,7 @@ from hcache.engine.cluster_turns import ClusterTurns
 from hcache.engine.errors import FailedPrecondition, InvalidArgument, Unavailable
 from hcache.engine.finisher import Finisher
 from hcache.engine.generate import common_prefix
+from hcache.engine.lock import EngineLock
 from hcache.engine.loop import Loop
 from hcache.engine.reclaimer import Reclaimer
 from hcache.engine.records import Counters, EngineSnapshot, RestoreResult, StorageState
@@ -71,7 +72,7 @@ class Engine(ClusterTurns):
         longest = max(self.cfg.plan_tokens, min(mc.max_position, self.pool.num_blocks * BLOCK_TOKENS))
         store.buffers.warm(longest * max(s.nbytes for s in store.shapes.values()) // CHUNK_TOKENS, mc.num_layers)
         self.registry = Registry(store, model, kinds)
-        self.lock = threading.RLock()
+        self.lock = EngineLock()
         self.counters = Counters()
         self.scheduler = Scheduler(self.pool, self.registry.sessions, self.cfg.max_batch, self.counters)
         self.runner = Runner(model, store, self.cfg)

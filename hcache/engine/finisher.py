@@ -7,13 +7,13 @@ what the store holds."""
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from hcache.engine.cluster import ClusterLink
 from hcache.engine.errors import EngineError, ResourceExhausted
+from hcache.engine.lock import EngineLock
 from hcache.engine.records import SessionMeta
 from hcache.engine.scheduler import Scheduler
 from hcache.engine.sequence import Event, Phase, Sequence
@@ -28,7 +28,7 @@ class Finisher:
         self,
         store: ChunkStore,
         scheduler: Scheduler,
-        lock: threading.RLock,
+        lock: EngineLock,
         decode: Callable[[list[int]], str],
         wake: Callable[[], None],
         cluster: ClusterLink | None = None,

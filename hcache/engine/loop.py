@@ -16,6 +16,7 @@ from hcache import omp
 from hcache.engine.cluster_chunks import ClusterChunks
 from hcache.engine.errors import EngineError, FailedPrecondition, ResourceExhausted
 from hcache.engine.finisher import Finisher
+from hcache.engine.lock import EngineLock
 from hcache.engine.reclaimer import Reclaimer
 from hcache.engine.records import Counters
 from hcache.engine.runner import Runner
@@ -47,7 +48,7 @@ class Loop:
     chunks: ClusterChunks | None
     counters: Counters
     telemetry: Telemetry
-    lock: threading.RLock
+    lock: EngineLock
     wake: threading.Event  # set by whatever gives the loop work
     device: torch.device
 
@@ -69,7 +70,7 @@ class Loop:
         with torch.inference_mode():
             while not self._stop:
                 try:
-                    with self.lock:
+                    with self.lock.step():
                         worked = self._step()
                 except Exception:  # a bug must not kill the loop silently: fail what was running
                     log.exception("engine step failed")

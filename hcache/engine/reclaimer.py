@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 
 from hcache.config import EngineConfig
 from hcache.engine.errors import ResourceExhausted
+from hcache.engine.lock import EngineLock
 from hcache.engine.records import Counters
 from hcache.engine.sequence import Sequence, Session
 from hcache.engine.sessions import Registry
@@ -42,7 +43,7 @@ class Reclaimer:
         self,
         store: ChunkStore,
         registry: Registry,
-        lock: threading.RLock,
+        lock: EngineLock,
         settled: threading.Condition,
         cfg: EngineConfig,
         counters: Counters,

@@ -1,0 +1,70 @@
+"""The engine's lock. The loop holds it for every step and takes it again at once; a plain
+lock lets it do so before a waiting caller's thread even wakes, so a public call (a new
+session, a turn, a status read) could wait out a whole decode. Here callers say they are
+waiting first, and the loop lets every one of them through before its next step."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+
+class EngineLock:
+    """A re-entrant lock (`with lock:`, and a `threading.Condition` can be built on it)
+    that gives way to waiting callers between the loop's steps (`with lock.step():`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._gate = threading.Condition(threading.Lock())
+        self._waiting = 0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        with self._gate:
+            self._waiting += 1
+        try:
+            return self._lock.acquire(blocking, timeout)
+        finally:
+            self._let_go()
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> EngineLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """The loop's hold for one step: taken once no caller waits for the lock."""
+        with self._gate:
+            while self._waiting:
+                self._gate.wait()
+        with self._lock:
+            yield
+
+    def _let_go(self) -> None:
+        with self._gate:
+            self._waiting -= 1
+            if not self._waiting:
+                self._gate.notify_all()
+
+    # what threading.Condition uses of a lock: a wait lets go of every level the owner
+    # holds and, like any caller, takes them back ahead of the loop
+    def _release_save(self) -> Any:
+        return self._lock._release_save()  # type: ignore[attr-defined]
+
+    def _acquire_restore(self, state: Any) -> None:
+        with self._gate:
+            self._waiting += 1
+        try:
+            self._lock._acquire_restore(state)  # type: ignore[attr-defined]
+        finally:
+            self._let_go()
+
+    def _is_owned(self) -> bool:
+        return self._lock._is_owned()  # type: ignore[attr-defined]
