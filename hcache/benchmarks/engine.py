@@ -294,6 +294,16 @@ def section(data: dict) -> list[str]:
         f"The other process read the restore's {data['restore_bytes'] / 1e6:.0f} MB out of the store's files with "
         f"O_DIRECT and did nothing else (no checksums, no placing, no GIL shared with the engine), in {took}: "
         "what that costs the turn is the machine's I/O path's own share, before any of our reader's work.",
+    ]
+    if tbt := data.get("tbt"):
+        a, d = tbt["alone"], tbt["during_restore"]
+        out += [
+            "",
+            f"A session decoding at batch 1: time between tokens p50 {a['p50_ms']:.1f} / p99 {a['p99_ms']:.1f} ms "
+            f"alone, p50 {d['p50_ms']:.1f} / p99 {d['p99_ms']:.1f} ms while {d['restores']} restores of the "
+            "context ran one after another (the loop gives each step's time left to the restore).",
+        ]
+    out += [
         "",
         "Raw results: `bench/results/engine.json`.",
         "",
