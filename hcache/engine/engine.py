@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 
 from hcache.config import EngineConfig
-from hcache.engine import checks
+from hcache.engine import checks, heap
 from hcache.engine.block_pool import BlockPool, resident_kv_dtype
 from hcache.engine.cluster import ClusterLink
 from hcache.engine.cluster_chunks import ClusterChunks
@@ -98,6 +98,7 @@ class Engine(ClusterTurns):
             store, profile, self.registry, self.scheduler, self.runner, self.finisher, self.reclaimer,
             self.chunks, self.counters, self.telemetry, self.lock, self._wake, model.device,
         )  # fmt: skip
+        heap.freeze()  # the model, compiled steps and this engine: no full collection walks them
 
     # --- public API (called from RPC threads) -------------------------------------
     def create_session(
@@ -351,6 +352,7 @@ class Engine(ClusterTurns):
             self.chunks.close()
         if self.cluster is not None:
             self.cluster.close()
+        heap.thaw()
 
     def snapshot(self) -> EngineSnapshot:
         """The state GetStats, /metrics and the dashboard show, read at once."""
