@@ -1,7 +1,8 @@
 """The engine's lock. The loop holds it for every step and takes it again at once; a plain
 lock lets it do so before a waiting caller's thread even wakes, so a public call (a new
-session, a turn, a status read) could wait out a whole decode. Here callers say they are
-waiting first, and the loop lets every one of them through before its next step."""
+session, a turn, a status read) could wait out a whole decode. Here callers count
+themselves in first, and before its next step the loop lets through as many callers as
+had come by then (not later ones: a stream of callers must not hold the loop up either)."""
 
 from __future__ import annotations
 
@@ -18,15 +19,15 @@ class EngineLock:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._gate = threading.Condition(threading.Lock())
-        self._waiting = 0
+        self._arrived = 0  # callers that came for the lock
+        self._admitted = 0  # of them, those that got it (or gave up)
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        with self._gate:
-            self._waiting += 1
+        self._arrive()
         try:
             return self._lock.acquire(blocking, timeout)
         finally:
-            self._let_go()
+            self._admit()
 
     def release(self) -> None:
         self._lock.release()
@@ -40,18 +41,23 @@ class EngineLock:
 
     @contextmanager
     def step(self) -> Iterator[None]:
-        """The loop's hold for one step: taken once no caller waits for the lock."""
+        """The loop's hold for one step: taken once as many callers got the lock as had
+        come for it when the loop asked."""
         with self._gate:
-            while self._waiting:
+            arrived = self._arrived
+            while self._admitted < arrived:
                 self._gate.wait()
         with self._lock:
             yield
 
-    def _let_go(self) -> None:
+    def _arrive(self) -> None:
         with self._gate:
-            self._waiting -= 1
-            if not self._waiting:
-                self._gate.notify_all()
+            self._arrived += 1
+
+    def _admit(self) -> None:
+        with self._gate:
+            self._admitted += 1
+            self._gate.notify_all()
 
     # what threading.Condition uses of a lock: a wait lets go of every level the owner
     # holds and, like any caller, takes them back ahead of the loop
@@ -59,12 +65,11 @@ class EngineLock:
         return self._lock._release_save()  # type: ignore[attr-defined]
 
     def _acquire_restore(self, state: Any) -> None:
-        with self._gate:
-            self._waiting += 1
+        self._arrive()
         try:
             self._lock._acquire_restore(state)  # type: ignore[attr-defined]
         finally:
-            self._let_go()
+            self._admit()
 
     def _is_owned(self) -> bool:
         return self._lock._is_owned()  # type: ignore[attr-defined]

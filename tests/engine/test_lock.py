@@ -47,6 +47,33 @@ def test_a_caller_waits_out_at_most_the_step_under_way() -> None:
     assert max(counts) <= 2, counts  # the step under way, and one that passed the gate as the caller came
 
 
+def test_callers_back_to_back_do_not_hold_the_loop_up() -> None:
+    lock = EngineLock()
+    stop = threading.Event()
+    steps = [0]
+
+    def caller() -> None:
+        while not stop.is_set():
+            with lock:
+                pass
+
+    def loop() -> None:
+        while not stop.is_set():
+            with lock.step():
+                time.sleep(0.002)
+                steps[0] += 1
+
+    threads = [threading.Thread(target=caller) for _ in range(3)] + [threading.Thread(target=loop)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    stop.set()
+    for t in threads:
+        t.join()
+    # the loop lets through the callers that had come when it asked, not every later one
+    assert steps[0] >= 20, steps
+
+
 def test_the_lock_is_reentrant_and_serves_a_condition() -> None:
     lock = EngineLock()
     cond = threading.Condition(lock)
