@@ -8,8 +8,7 @@ from storage (O_DIRECT):
   restore alone and the turn's prefill alone (resident);
 - the same resident turn while another process reads as many bytes of the store's files with
   O_DIRECT (`ioload`, on 8 threads and on 1): what the machine's I/O path alone costs the
-  turn, with none of our reader's work; the fused TTFT cannot beat the turn by more than
-  what reading the bytes costs;
+  turn, with none of our reader's work (the fused TTFT pays it too);
 - TBT of another session that is decoding, alone and while a session restores.
 Medians over `--repeats`; JSON in bench/results/engine.json."""
 
