@@ -23,11 +23,8 @@ class EngineLock:
         self._admitted = 0  # of them, those that got it (or gave up)
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        self._arrive()
-        try:
+        with self._caller():
             return self._lock.acquire(blocking, timeout)
-        finally:
-            self._admit()
 
     def release(self) -> None:
         self._lock.release()
@@ -50,14 +47,17 @@ class EngineLock:
         with self._lock:
             yield
 
-    def _arrive(self) -> None:
+    @contextmanager
+    def _caller(self) -> Iterator[None]:
+        """Counted in while it waits for the lock, out once it has it (or gave up)."""
         with self._gate:
             self._arrived += 1
-
-    def _admit(self) -> None:
-        with self._gate:
-            self._admitted += 1
-            self._gate.notify_all()
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._admitted += 1
+                self._gate.notify_all()
 
     # what threading.Condition uses of a lock: a wait lets go of every level the owner
     # holds and, like any caller, takes them back ahead of the loop
@@ -65,11 +65,8 @@ class EngineLock:
         return self._lock._release_save()  # type: ignore[attr-defined]
 
     def _acquire_restore(self, state: Any) -> None:
-        self._arrive()
-        try:
+        with self._caller():
             self._lock._acquire_restore(state)  # type: ignore[attr-defined]
-        finally:
-            self._admit()
 
     def _is_owned(self) -> bool:
         return self._lock._is_owned()  # type: ignore[attr-defined]
