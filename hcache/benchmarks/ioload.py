@@ -10,14 +10,15 @@ checksums, no placing, none of hcache's reader.
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import queue
 import sys
 import threading
 import time
 
-ALIGN = 4096
+from hcache.storage.slab import aligned_buffer  # stdlib only: this process imports no torch
+
+ALIGN = 4096  # storage.layout.ALIGN (that module imports torch)
 
 
 def pieces(paths: list[str], nbytes: int, request: int) -> list[tuple[int, int]]:
@@ -42,8 +43,7 @@ def read_all(paths: list[str], nbytes: int, threads: int, request: int) -> int:
     done = [0] * threads
 
     def work(k: int) -> None:
-        buf = mmap.mmap(-1, request)  # page-aligned, as O_DIRECT wants
-        view = memoryview(buf)
+        view = memoryview(aligned_buffer(request))  # the buffers hcache's reader reads into
         while True:
             try:
                 i, off = todo.get_nowait()
