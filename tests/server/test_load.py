@@ -26,8 +26,13 @@ SESSIONS, TURNS, MAX_NEW = 64, 2, 6
 RSS_NOISE = 96 << 20
 
 
+GRPC_POOL = {"event_engine", "lifeguard"}  # gRPC core's own pool: it adds threads when starved
+
+
 def _threads(pid: int) -> int:
-    return int(re.search(r"^Threads:\s+(\d+)", Path(f"/proc/{pid}/status").read_text(), re.M).group(1))
+    """The server's threads, but for gRPC core's event-engine pool, which sizes itself."""
+    names = [p.read_text().strip() for p in Path(f"/proc/{pid}/task").glob("*/comm")]
+    return sum(n not in GRPC_POOL for n in names)
 
 
 def _gauges(log: Path) -> dict[str, float]:
