@@ -23,6 +23,9 @@ from hcache.storage.store import ChunkStore
 log = logging.getLogger(__name__)
 
 
+DURABLE_THREADS = 4  # turns made durable at once (record commits wait on the cluster)
+
+
 class Finisher:
     def __init__(
         self,
@@ -37,7 +40,7 @@ class Finisher:
         """`committed(owner, own tokens, first new one)`: a turn was acknowledged (cluster mode)."""
         self.store, self.scheduler, self.lock, self.decode, self.wake = store, scheduler, lock, decode, wake
         self.cluster, self.committed = cluster, committed
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hcache-durable")
+        self._pool = ThreadPoolExecutor(max_workers=DURABLE_THREADS, thread_name_prefix="hcache-durable")
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Called under the lock when the request's work is done."""

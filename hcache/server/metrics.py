@@ -4,6 +4,7 @@ through the `Telemetry` hooks; store and engine state is read at scrape time."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import Counter as Tally
@@ -62,6 +63,7 @@ class Metrics(Telemetry):
         self._rates: dict[str, tuple[float, float]] = {}  # dir -> (read MB/s, write MB/s)
         self._last: tuple[float, list[int], list[int]] | None = None
         self.engine: Engine | None = None
+        r.register(_ThreadCollector())
 
     def attach(self, engine: Engine) -> None:
         """Read engine and store state at scrape time; time flushes."""
@@ -192,6 +194,18 @@ class Metrics(Telemetry):
                 "queue_depth": snap.queue.by_phase(),
             },
         }
+
+
+class _ThreadCollector(Collector):
+    """The process's Python threads by pool (the name less its numbers): a leak shows as a pool
+    that grows with the sessions served."""
+
+    def collect(self) -> Iterator[Metric]:
+        pools = Tally(re.sub(r"[-_]?\d+", "", t.name) for t in threading.enumerate())
+        g = GaugeMetricFamily("hcache_threads", "Python threads by pool", labels=["pool"])
+        for pool, n in sorted(pools.items()):
+            g.add_metric([pool], n)
+        yield g
 
 
 class _StateCollector(Collector):

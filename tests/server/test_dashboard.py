@@ -78,6 +78,8 @@ def test_metrics_health_readiness(live):
         'hcache_queue_depth{phase="decode"}',
         'hcache_requests_total{code="OK",rpc="Generate"}',
         'hcache_requests_total{code="NOT_FOUND",rpc="GetSession"}',
+        'hcache_threads{pool="hcache-engine"} 1.0',
+        'hcache_threads{pool="hcache-reader"}',
     ):
         assert name in text, name
     assert get(f"{base}/healthz") == (200, "ok\n")
