@@ -134,7 +134,8 @@ def start(cfg: Config, profile: Profile | None = None, loaded: LoadedModel | Non
     if keys:
         interceptors.append(AuthInterceptor(keys))
     interceptors.append(ParsingInterceptor())
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=s.workers), interceptors=interceptors, options=opts)
+    handlers = futures.ThreadPoolExecutor(max_workers=s.workers, thread_name_prefix="hcache-grpc")
+    server = grpc.server(handlers, interceptors=interceptors, options=opts)
     pb_grpc.add_HCacheServicer_to_server(Servicer(engine), server)
     hs = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)

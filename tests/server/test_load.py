@@ -31,9 +31,10 @@ RSS_NOISE = 96 << 20
 # Pools that start small and grow on demand to a bound: after warm-up they may still grow, never
 # past it. Every other pool, and the threads outside Python, must stay exactly flat.
 BOUNDED = {
-    "ThreadPoolExecutor": ServerConfig().workers,  # gRPC handlers
+    "hcache-grpc": ServerConfig().workers,  # gRPC handlers
     "hcache-durable": DURABLE_THREADS,
     "AnyIO worker thread": 40,  # anyio's default thread limiter (the HTTP app's sync routes)
+    "ThreadPoolExecutor": 32,  # torch inductor's compile pool (unnamed): a thread per core, 32 at most
 }
 GRPC_CORE = {"event_engine", "lifeguard"}  # gRPC core's own pool: it adds threads when starved
 
