@@ -56,14 +56,13 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _turn_under_reads(
-    engine: Engine, ctx: str, root: list[Path], ids: list[int], threads: int
+    engine: Engine, ctx: str, files: list[str], ids: list[int], threads: int
 ) -> tuple[float, float, int]:
     """A turn on a restored (resident) session while another process reads as many bytes
-    as the restore did, with O_DIRECT, out of the store's files. Returns (the turn's TTFT
-    ms, the reads' ms, bytes read)."""
+    as the restore did, with O_DIRECT, out of `files` (the store's). Returns (the turn's
+    TTFT ms, the reads' ms, bytes read)."""
     s = engine.create_session(context_ids=[ctx])
     r = engine.restore(s.id)
-    files = sorted((str(f) for d in root for f in d.rglob("*") if f.is_file()), key=lambda f: -Path(f).stat().st_size)
     cmd = [sys.executable, "-m", "hcache.benchmarks.ioload", "--bytes", str(r.bytes_read), "--threads", str(threads)]
     reader = subprocess.Popen([*cmd, *files], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -117,6 +116,9 @@ def run(args: argparse.Namespace) -> dict:
         rows: dict[str, list[float]] = {k: [] for k in keys}
         reads: dict[str, list[float]] = {k: [] for k in under}
         plans = set()
+        # the store's files, largest first: the context's slabs, written by now
+        found = [f for d in root for f in d.rglob("*") if f.is_file()]
+        files = [str(f) for f in sorted(found, key=lambda f: -f.stat().st_size)]
         for _ in range(args.repeats):
             for mode in ("fused", "sequential"):
                 engine.cfg.fused = mode == "fused"
@@ -135,7 +137,7 @@ def run(args: argparse.Namespace) -> dict:
             engine.delete(s.id)
             for n, key in zip(args.io_threads, under, strict=True):
                 turn_ms, read_ms, _ = _turn_under_reads(
-                    engine, ctx.id, root, [rng.randrange(vocab) for _ in range(args.turn)], n
+                    engine, ctx.id, files, [rng.randrange(vocab) for _ in range(args.turn)], n
                 )
                 rows[key].append(turn_ms)
                 reads[key].append(read_ms)
