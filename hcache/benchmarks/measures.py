@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from hcache import demo, omp
 from hcache.engine.generate import ChatSession
@@ -99,3 +100,98 @@ def attention_rates(heads: int, kv_heads: int, head_dim: int, contexts: list[int
         return out
 
     return omp.on_worker(run)
+
+
+def attention_kernels(heads: int, kv_heads: int, head_dim: int, context: int, turn: int) -> dict[str, Any]:
+    """The same layer's attention (bfloat16 cache, `turn` new tokens after `context - turn`
+    cached ones) through every fused attention that torch offers on this CPU, next to ours:
+    ms, GFLOP/s, and the largest error against a float64 reference over the largest |output|.
+    What no library kernel reaches here bounds a short turn's attention without one of our own."""
+
+    def run() -> dict[str, Any]:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(turn, heads, head_dim, generator=g).mul_(2).bfloat16()
+        k, v = (torch.randn(context, kv_heads, head_dim, generator=g).mul_(2).bfloat16() for _ in range(2))
+        prefix, scale = context - turn, head_dim**-0.5
+        seen = torch.ones(turn, context, dtype=torch.bool).tril(diagonal=prefix)  # [T, S]
+        qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, len, D]: views
+        group = heads // kv_heads
+        s = (qh.double() @ kh.double().repeat_interleave(group, 1).transpose(-1, -2)) * scale
+        ref = s.masked_fill(~seen, float("-inf")).softmax(-1) @ vh.double().repeat_interleave(group, 1)
+        ref = ref.squeeze(0).transpose(0, 1).reshape(turn, -1)
+        flops = 4 * turn * context * heads * head_dim
+        out: dict[str, Any] = {"context": context, "turn": turn}
+
+        def measure(name: str, make: Callable[[], Callable[[], torch.Tensor]]) -> None:
+            try:
+                fn = make()
+                got = fn().float().reshape(turn, -1)
+                ms = median_ms(fn, 20)
+            except Exception as e:  # a kernel this torch lacks here is a finding, not a crash
+                out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                return
+            err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+            out[name] = {"ms": ms, "gflops": flops / ms / 1e6, "max_rel_err": err}
+
+        def sdpa() -> torch.Tensor:
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seen, scale=scale, enable_gqa=True)
+            return o.squeeze(0).transpose(0, 1)
+
+        measure("hcache", lambda: lambda: causal_attention(q, k, v, scale))
+        measure("torch sdpa", lambda: sdpa)
+        measure("flex_attention", lambda: _flex(qh, kh, vh, prefix, scale))
+        measure("onednn graph", lambda: _onednn_graph(qh, kh, vh, seen, scale, group))
+        return out
+
+    return omp.on_worker(run)
+
+
+def _flex(
+    qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, prefix: int, scale: float
+) -> Callable[[], torch.Tensor]:
+    """inductor's CPU flex-attention template, compiled for these shapes."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    t, s = qh.shape[2], kh.shape[2]
+    mask = create_block_mask(lambda b, h, i, j: j <= i + prefix, None, None, t, s, device="cpu")
+    fn = torch.compile(flex_attention, dynamic=False)
+    return lambda: fn(qh, kh, vh, block_mask=mask, scale=scale, enable_gqa=True).squeeze(0).transpose(0, 1)
+
+
+def _onednn_graph(
+    qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, seen: torch.Tensor, scale: float, group: int
+) -> Callable[[], torch.Tensor]:
+    """oneDNN Graph's fused partition (matmul, scale, mask, softmax, matmul), reached through
+    TorchScript's oneDNN fusion: query heads grouped as rows of their KV head, the mask
+    additive. Its intermediates keep the pattern's dtype: bfloat16 scores. K and V are copied
+    head-major first: with the cache's strided views the fused partition returns wrong values
+    (torch 2.13, oneDNN 3.12)."""
+    t, kvh = qh.shape[2], kh.shape[1]
+    rows = qh.squeeze(0).view(kvh, group, t, -1).reshape(1, kvh, group * t, -1)
+    add = torch.zeros(seen.shape).masked_fill_(~seen, float("-inf")).repeat(group, 1).bfloat16()[None, None]
+
+    def pattern(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(q @ k.transpose(-1, -2) * scale + mask, dim=-1) @ v
+
+    was = torch._C._jit_llga_enabled()
+    torch.jit.enable_onednn_fusion(True)
+    try:
+        with torch.no_grad():
+            fn = torch.jit.trace(pattern, (rows, kh.contiguous(), vh.contiguous(), add))
+            for _ in range(3):  # the profiling executor fuses from the third call on
+                fn(rows, kh.contiguous(), vh.contiguous(), add)
+            if "oneDNNFusionGroup" not in str(torch.jit.last_executed_optimized_graph()):
+                raise RuntimeError("TorchScript did not fuse the pattern")
+    finally:
+        torch.jit.enable_onednn_fusion(was)
+
+    def call() -> torch.Tensor:
+        torch.jit.enable_onednn_fusion(True)
+        try:
+            with torch.no_grad():
+                o = fn(rows, kh.contiguous(), vh.contiguous(), add)
+        finally:
+            torch.jit.enable_onednn_fusion(was)
+        return o.squeeze(0).view(kvh, group, t, -1).permute(2, 0, 1, 3).reshape(t, -1)
+
+    return call

@@ -226,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     data["attention"] = measures.attention_rates(
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, [c for c in args.contexts if c > TURN], TURN
     )
+    data["attention_kernels"] = measures.attention_kernels(
+        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max(args.contexts), TURN
+    )
     if "llama.cpp" not in args.skip:
         data["rows"] += llama_cpp_rows(doc, turn, args.contexts, scratch, args.threads)
         dec = llama_cpp_decode(doc, args.batches, args.decode_prompt, args.decode_steps, args.threads)
