@@ -4,7 +4,8 @@ attention over a long context against this CPU's matmul peak."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -173,25 +174,28 @@ def _onednn_graph(
     def pattern(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return torch.softmax(q @ k.transpose(-1, -2) * scale + mask, dim=-1) @ v
 
+    with _onednn_fusion():
+        fn = torch.jit.trace(pattern, (rows, kh.contiguous(), vh.contiguous(), add))
+        for _ in range(3):  # the profiling executor fuses from the third call on
+            fn(rows, kh.contiguous(), vh.contiguous(), add)
+        if "oneDNNFusionGroup" not in str(torch.jit.last_executed_optimized_graph()):
+            raise RuntimeError("TorchScript did not fuse the pattern")
+
+    def call() -> torch.Tensor:
+        with _onednn_fusion():
+            o = fn(rows, kh.contiguous(), vh.contiguous(), add)
+        return o.squeeze(0).view(kvh, group, t, -1).permute(2, 0, 1, 3).reshape(t, -1)
+
+    return call
+
+
+@contextmanager
+def _onednn_fusion() -> Iterator[None]:
+    """TorchScript's oneDNN fusion on (without autograd) for the calls inside, as it was after."""
     was = torch._C._jit_llga_enabled()
     torch.jit.enable_onednn_fusion(True)
     try:
         with torch.no_grad():
-            fn = torch.jit.trace(pattern, (rows, kh.contiguous(), vh.contiguous(), add))
-            for _ in range(3):  # the profiling executor fuses from the third call on
-                fn(rows, kh.contiguous(), vh.contiguous(), add)
-            if "oneDNNFusionGroup" not in str(torch.jit.last_executed_optimized_graph()):
-                raise RuntimeError("TorchScript did not fuse the pattern")
+            yield
     finally:
         torch.jit.enable_onednn_fusion(was)
-
-    def call() -> torch.Tensor:
-        torch.jit.enable_onednn_fusion(True)
-        try:
-            with torch.no_grad():
-                o = fn(rows, kh.contiguous(), vh.contiguous(), add)
-        finally:
-            torch.jit.enable_onednn_fusion(was)
-        return o.squeeze(0).view(kvh, group, t, -1).permute(2, 0, 1, 3).reshape(t, -1)
-
-    return call
