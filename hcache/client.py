@@ -247,7 +247,10 @@ def wait_for_server(target: str, timeout: float = 120, alive: Callable[[], bool]
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as ch:
+    # grpc backs off reconnecting up to seconds apart while nothing listens; poll at our own pace
+    fast = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100)]
+    fast.append(("grpc.max_reconnect_backoff_ms", 300))
+    with grpc.insecure_channel(target, options=fast) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             try:
