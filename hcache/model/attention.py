@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from hcache.config import ModelConfig
+from hcache.kernels import native
 from hcache.kernels.fused import own_code
 
 
@@ -192,6 +193,8 @@ _linear = torch.ops.mkldnn._linear_pointwise  # oneDNN's matmul with float32 out
 # Without AMX, torch's flash kernel multiplies bfloat16 through MKL, which runs far below
 # oneDNN on AMD; with AMX it packs its blocks for the tiles and stays the faster one.
 _MATMULS = torch.backends.mkldnn.is_available() and not torch.cpu._is_amx_tile_supported()
+# with AMX torch's flash kernel keeps the tiles; ours is not measured there yet
+_NATIVE = not torch.cpu._is_amx_tile_supported()
 ROW_BLOCK = 128  # grouped query rows per score block: 128 x 8K float32 scores stay in cache
 MATMUL_MIN_KEYS = 1536  # below about this many prefix keys flash's single call is the quicker
 
@@ -212,9 +215,14 @@ def _ungrouped(out: torch.Tensor, t: int) -> torch.Tensor:
 def _causal_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float | None) -> torch.Tensor:
     """Flash attention without a T x S mask: the new block attends to the prefix unmasked
     (query heads grouped over their KV head) and to itself causally; the two partial
-    results are merged by their log-sum-exp. A bfloat16 cache past `MATMUL_MIN_KEYS` on a
-    CPU without AMX takes `_matmul_attention` instead."""
+    results are merged by their log-sum-exp. A bfloat16 cache on a CPU without AMX takes
+    our AVX512-BF16 kernel (`kernels/native.py`), or without one, past `MATMUL_MIN_KEYS`,
+    `_matmul_attention`."""
     t, kvh = q.shape[0], k.shape[1]
+    if t > 1 and _NATIVE and k.dtype == torch.bfloat16 and (op := native.attention_bf16()) is not None:
+        d = q.shape[2]
+        if d % 16 == 0 and d <= 128 and q.stride(2) == k.stride(2) == v.stride(2) == 1:
+            return op(q, k, v, d**-0.5 if scale is None else scale)
     kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     if prefix == 0 and t > 1:
         out, _ = _flash(q.transpose(0, 1).unsqueeze(0), kh, vh, is_causal=True, scale=scale)

@@ -35,14 +35,18 @@ class Projector:
 
 
 def warm_up(model: DecoderModel) -> None:
-    """Compile what a prefill and an H restore run (hcache/kernels/fused.py) before the
-    first request: inductor takes seconds per kernel, twenty on a machine's first run.
+    """Compile what a prefill and an H restore run (hcache/kernels/fused.py, native.py) before
+    the first request: inductor takes seconds per kernel, twenty on a machine's first run.
     Dynamo guards on each input's kind, so this runs as the engine does: under inference
     mode, into a cache made outside it, projecting hidden states made outside it (as read
     buffers are). The row count is odd and shared with no other dimension, so the kernels
     compile for every length (no divisibility or duck-sized equality to guard on)."""
+    from hcache.kernels import native
     from hcache.kernels.fused import MIN_ROWS
     from hcache.model.attention import KVCache
+
+    if model.device.type == "cpu":
+        native.attention_bf16()  # built here (seconds, once per machine), not in a turn
 
     n = MIN_ROWS + 3
     cache = KVCache(model.cfg, model.dtype, model.device, capacity=n)

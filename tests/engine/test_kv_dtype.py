@@ -102,7 +102,7 @@ def test_the_serving_default_matches_its_reference(served_default, tmp_path):
     """The default model as `hcache serve` serves it (`--weights auto`: int4 weights, fused
     projections, the oneDNN head; `--kv-dtype auto`: a bfloat16 KV pool; the compiled decode
     step): two sessions decoding together, then turns after KV, H and RE restores, give the
-    greedy tokens of a never-evicted eager run over a bfloat16 cache."""
+    greedy tokens of a never-evicted eager run over a bfloat16 cache (RE up to near-ties)."""
     model = served_default.model
     assert model.layers[0].wqkv is not None and model.lm_head.packed_bytes
     tok = word_tokenizer(model.cfg.vocab_size)
@@ -124,7 +124,13 @@ def test_the_serving_default_matches_its_reference(served_default, tmp_path):
             eng.restore(sessions[0].id, method)
             new = [rng.randrange(100, 40000) for _ in range(30)]
             got, _ = turn(eng, sessions[0].id, token_ids=new, params=p)
-            assert got == reference(model, history[0] + new, p, set(), BF16), method
+            if method == Method.RECOMPUTE:
+                # RE rebuilds the history in one forward and the turn is a second; the reference
+                # is one forward of both: the linears and norms round differently at other row
+                # counts, so a near-tie may break either way (seen: 0.01 apart at 23)
+                agrees_up_to_ties(model, history[0] + new, got, p, BF16, tie=0.05)
+            else:
+                assert got == reference(model, history[0] + new, p, set(), BF16), method
             history[0] += new + got
         assert eng.runner.graph.graphs() == served_default.warmed  # the engine's warm-up found them compiled
     finally:

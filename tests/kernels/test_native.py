@@ -1,0 +1,83 @@
+"""Our AVX512-BF16 attention kernel (hcache/kernels/attention_bf16.cpp) against a float64
+reference, and the property the engine leans on: a position's output has the same bits
+whether its prompt was attended in one call or in pieces."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hcache.kernels import native
+from hcache.model.attention import _matmul_attention
+
+op = native.attention_bf16()
+pytestmark = pytest.mark.skipif(op is None, reason="needs AVX512-BF16 and a C++ compiler")
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    t, s = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0).double() for x in (q, k, v))
+    kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+    mask = torch.ones(t, s, dtype=torch.bool).tril(diagonal=s - t)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return out.squeeze(0).transpose(0, 1).reshape(t, -1)
+
+
+def inputs(t: int, s: int, heads: int, kv_heads: int, d: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(t, heads, d, generator=g) * 2).bfloat16()
+    # rows of a larger pool, one KV head skipped: strided in both leading dims, never copied
+    pool = torch.randn(2, s + 3, kv_heads + 1, d, generator=g).bfloat16()
+    return q, pool[0, 3:, 1:], pool[1, 3:, 1:]
+
+
+@pytest.mark.parametrize(
+    "t,s,heads,kv_heads,d",
+    [
+        (2, 2, 9, 3, 64),  # the first rows see one key
+        (32, 8032, 9, 3, 64),  # a turn over a long context: 8 spans of keys, 1 block of rows
+        (70, 70, 9, 3, 64),  # a prompt: rows in 3 blocks, the last one partial
+        (5, 1100, 4, 4, 128),  # multi-head, head dim 128, a span boundary inside
+        (33, 300, 8, 2, 16),  # the tiny models' head dim
+        (200, 3000, 9, 3, 64),  # a prefill chunk: blocks of rows that end mid-head-group
+    ],
+)
+def test_matches_the_reference_as_closely_as_the_matmul_path(t, s, heads, kv_heads, d):
+    q, k, v = inputs(t, s, heads, kv_heads, d, t * 7 + s)
+    scale = d**-0.5
+    want = reference(q, k, v, scale)
+    out = op(q, k, v, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == (t, heads * d)
+    err = (out.double() - want).abs().max().item() / want.abs().max().item()
+    ours_before = (_matmul_attention(q, k, v, s - t, scale).double() - want).abs().max().item()
+    assert err < 1e-2
+    assert err <= 1.5 * ours_before / want.abs().max().item()
+
+
+def test_a_position_has_the_same_bits_in_one_call_or_in_pieces():
+    q, k, v = inputs(600, 2600, 9, 3, 64, 1)
+    whole = op(q, k, v, 0.125)
+    # the last 600 positions of 2600, as chunks of 64 + 300 + 236 rows, each over the keys so far
+    done, parts = 2000, []
+    for n in (64, 300, 236):
+        parts.append(op(q[done - 2000 : done - 2000 + n], k[: done + n], v[: done + n], 0.125))
+        done += n
+    assert torch.equal(torch.cat(parts), whole)
+
+
+def test_a_row_never_sees_a_later_key():
+    q, k, v = inputs(4, 1500, 9, 3, 64, 2)
+    before = op(q, k, v, 0.125)
+    k2, v2 = k.clone(), v.clone()
+    k2[-1], v2[-1] = 30.0, 30.0  # only the last row may see the last key
+    after = op(q, k2, v2, 0.125)
+    assert torch.equal(before[:3], after[:3])
+    assert not torch.equal(before[3], after[3])
+
+
+def test_bad_input_is_refused():
+    q, k, v = inputs(4, 10, 9, 3, 64, 3)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        op(q.float(), k, v, 0.125)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        op(q[..., :40], k[..., :40], v[..., :40], 0.125)
