@@ -140,8 +140,9 @@ def _attention_kernels(peers: dict) -> list[str]:
     peak = rates.get("mm_gflops_bfloat16")
     out = [
         f"The same layer at {a['context']} tokens (bfloat16 cache, {a['turn']}-token turn) through every fused "
-        "attention torch offers on this CPU, next to ours; the error is the largest |output - float64 reference| "
-        "over the largest |output|.",
+        "attention torch offers on this CPU, next to ours (`hcache`: our AVX512-BF16 kernel where the CPU has "
+        "AVX512-BF16 and no AMX) and the library path it replaced; the error is the largest "
+        "|output - float64 reference| over the largest |output|.",
         "",
         "| kernel | ms | GFLOP/s | of bf16 mm | max relative error |",
         "|---|---:|---:|---:|---:|",
