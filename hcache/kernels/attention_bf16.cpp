@@ -53,7 +53,7 @@ inline uint32_t pair(const at::BFloat16* p) {
 }
 
 struct Shape {
-  int64_t t, s, prefix, g, d;  // new tokens, keys, keys before the new ones, heads per KV head, head dim
+  int64_t t, s, prefix, g, d, heads;  // new tokens, keys, keys before them, heads per KV head, head dim, heads
   int64_t qs0, qs1, ks0, ks1, vs0, vs1;  // strides (elements) of q [T,H,D], k/v [S,KvH,D]
   float c;  // scale * log2(e)
 };
@@ -78,11 +78,12 @@ void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const a
     const at::BFloat16* qr = q + t * sh.qs0 + head * sh.qs1;
     for (int64_t j = 0; j < dp; ++j) qv[j][r] = real ? pair(qr + 2 * j) : 0u;
   }
-  std::memset(o, 0, sizeof(float) * R * d);
   for (int64_t r = 0; r < R; ++r) m[r] = NONE, l[r] = 0.f;
   int32_t last = 0;  // keys past prefix + the rows' latest token are masked for all of them
   for (int64_t r = 0; r < nr; ++r) last = std::max(last, tok[r]);
   k1 = std::min(k1, sh.prefix + last + 1);
+  if (k0 >= k1) return;  // nothing seen: `o` left unset, the merge skips the span (m = NONE)
+  std::memset(o, 0, sizeof(float) * R * d);
   const __m512 c = _mm512_set1_ps(sh.c);
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
   // (0, 16, 1, 17, ...): two vectors of 16 bfloat16 interleaved into 16 pairs
@@ -203,6 +204,30 @@ void run_span(int rv, const Shape& sh, const at::BFloat16* q, const at::BFloat16
   }
 }
 
+// One (KV head, row block)'s output from its spans' partials (`o` [nsp][ROWS][D], `m`, `l`
+// [nsp][ROWS]), in span order: weights 2**(m_span - max); spans that saw nothing are skipped.
+void merge(const Shape& sh, int64_t nsp, int64_t h, int64_t r0, int64_t nr, const float* o, const float* m,
+           const float* l, at::BFloat16* out) {
+  const int64_t d = sh.d;
+  for (int64_t r = 0; r < nr; ++r) {
+    float top = NONE;
+    for (int64_t sp = 0; sp < nsp; ++sp) top = std::max(top, m[sp * ROWS + r]);
+    float total = 0.f;
+    alignas(64) float acc[128] = {};
+    for (int64_t sp = 0; sp < nsp; ++sp) {
+      const float x = m[sp * ROWS + r] - top;
+      if (!(x >= FLOOR)) continue;
+      const float wt = std::exp2(x);
+      total += wt * l[sp * ROWS + r];
+      const float* src = o + (sp * ROWS + r) * d;
+      for (int64_t j = 0; j < d; ++j) acc[j] += wt * src[j];
+    }
+    const int64_t row = r0 + r, tk = row % sh.t, head = h * sh.g + row / sh.t;
+    at::BFloat16* dst = out + (tk * sh.heads + head) * d;
+    for (int64_t j = 0; j < d; ++j) dst[j] = at::BFloat16(acc[j] / total);
+  }
+}
+
 // q [T, H, D], k/v [S, KvH, D] bfloat16 (rows of D contiguous); returns [T, H*D] bfloat16
 at::Tensor causal_attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [rows, heads, head_dim]");
@@ -212,48 +237,45 @@ at::Tensor causal_attention_bf16(const at::Tensor& q, const at::Tensor& k, const
   const int64_t t = q.size(0), nh = q.size(1), d = q.size(2), s = k.size(0), kvh = k.size(1);
   TORCH_CHECK(d % 16 == 0 && d <= 128, "head_dim must be a multiple of 16, at most 128");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == d && nh % kvh == 0 && t <= s && t >= 1, "shapes disagree");
-  Shape sh{t, s, s - t, nh / kvh, d, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+  Shape sh{t, s, s - t, nh / kvh, d, nh, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
            float(scale * 1.4426950408889634)};
-  const int64_t rows = sh.g * t, nrb = (rows + ROWS - 1) / ROWS, nsp = (s + SPLIT - 1) / SPLIT;
-  const int64_t items = kvh * nrb * nsp;
-  auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor o = at::empty({items, ROWS, d}, f32), m = at::empty({items, ROWS}, f32), l = at::empty({items, ROWS}, f32);
+  const int64_t rows = sh.g * t, nrb = (rows + ROWS - 1) / ROWS, nsp = (s + SPLIT - 1) / SPLIT, blocks = kvh * nrb;
   const auto *qp = q.data_ptr<at::BFloat16>(), *kp = k.data_ptr<at::BFloat16>(), *vp = v.data_ptr<at::BFloat16>();
-  float *op = o.data_ptr<float>(), *mp = m.data_ptr<float>(), *lp = l.data_ptr<float>();
-  at::parallel_for(0, items, 1, [&](int64_t b, int64_t e) {
-    for (int64_t it = b; it < e; ++it) {
-      const int64_t sp = it % nsp, rb = (it / nsp) % nrb, h = it / (nsp * nrb);
-      const int64_t r0 = rb * ROWS, nr = std::min(ROWS, rows - r0);
-      const int64_t k0 = sp * SPLIT, k1 = std::min(s, k0 + SPLIT);
-      run_span(int((nr + 15) / 16), sh, qp, kp, vp, h, r0, nr, k0, k1, op + it * ROWS * d, mp + it * ROWS,
-               lp + it * ROWS);
-    }
-  });
   at::Tensor out = at::empty({t, nh * d}, q.options());
   auto* outp = out.data_ptr<at::BFloat16>();
-  // merge the spans of each (KV head, row block): weights 2**(m_span - max)
-  at::parallel_for(0, kvh * nrb, 1, [&](int64_t b, int64_t e) {
-    for (int64_t hb = b; hb < e; ++hb) {
-      const int64_t r0 = (hb % nrb) * ROWS, nr = std::min(ROWS, rows - r0), h = hb / nrb;
-      const int64_t first = hb * nsp;
-      for (int64_t r = 0; r < nr; ++r) {
-        float top = NONE;
-        for (int64_t sp = 0; sp < nsp; ++sp) top = std::max(top, mp[(first + sp) * ROWS + r]);
-        float total = 0.f;
-        alignas(64) float acc[128] = {};
-        for (int64_t sp = 0; sp < nsp; ++sp) {
-          const int64_t it = first + sp;
-          const float x = mp[it * ROWS + r] - top;
-          const float wt = x >= FLOOR ? std::exp2(x) : 0.f;
-          total += wt * lp[it * ROWS + r];
-          const float* src = op + (it * ROWS + r) * d;
-          for (int64_t j = 0; j < d; ++j) acc[j] += wt * src[j];
-        }
-        const int64_t row = r0 + r, tk = row % t, head = h * sh.g + row / t;
-        at::BFloat16* dst = outp + tk * nh * d + head * d;
-        for (int64_t j = 0; j < d; ++j) dst[j] = at::BFloat16(acc[j] / total);
+  auto f32 = q.options().dtype(at::kFloat);
+  auto block = [&](int64_t hb, int64_t sp, float* o, float* m, float* l) {
+    const int64_t h = hb / nrb, r0 = (hb % nrb) * ROWS, nr = std::min(ROWS, rows - r0);
+    const int64_t k0 = sp * SPLIT, k1 = std::min(s, k0 + SPLIT);
+    run_span(int((nr + 15) / 16), sh, qp, kp, vp, h, r0, nr, k0, k1, o + sp * ROWS * d, m + sp * ROWS, l + sp * ROWS);
+  };
+  auto finish = [&](int64_t hb, const float* o, const float* m, const float* l) {
+    const int64_t r0 = (hb % nrb) * ROWS;
+    merge(sh, nsp, hb / nrb, r0, std::min(ROWS, rows - r0), o, m, l, outp);
+  };
+  if (blocks >= 4 * at::get_num_threads()) {
+    // enough blocks to share: each thread runs a block's spans in turn, partials in its own scratch
+    at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
+      at::Tensor o = at::empty({nsp, ROWS, d}, f32), m = at::empty({nsp, ROWS}, f32), l = at::empty({nsp, ROWS}, f32);
+      for (int64_t hb = b; hb < e; ++hb) {
+        for (int64_t sp = 0; sp < nsp; ++sp) block(hb, sp, o.data_ptr<float>(), m.data_ptr<float>(), l.data_ptr<float>());
+        finish(hb, o.data_ptr<float>(), m.data_ptr<float>(), l.data_ptr<float>());
       }
+    });
+    return out;
+  }
+  // few blocks (a short turn): the spans are shared too, then merged (the same arithmetic)
+  at::Tensor o = at::empty({blocks, nsp, ROWS, d}, f32), m = at::empty({blocks, nsp, ROWS}, f32);
+  at::Tensor l = at::empty({blocks, nsp, ROWS}, f32);
+  float *op = o.data_ptr<float>(), *mp = m.data_ptr<float>(), *lp = l.data_ptr<float>();
+  at::parallel_for(0, blocks * nsp, 1, [&](int64_t b, int64_t e) {
+    for (int64_t it = b; it < e; ++it) {
+      const int64_t hb = it / nsp;
+      block(hb, it % nsp, op + hb * nsp * ROWS * d, mp + hb * nsp * ROWS, lp + hb * nsp * ROWS);
     }
+  });
+  at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t hb = b; hb < e; ++hb) finish(hb, op + hb * nsp * ROWS * d, mp + hb * nsp * ROWS, lp + hb * nsp * ROWS);
   });
   return out;
 }

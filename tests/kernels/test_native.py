@@ -65,6 +65,21 @@ def test_a_position_has_the_same_bits_in_one_call_or_in_pieces():
     assert torch.equal(torch.cat(parts), whole)
 
 
+def test_the_threads_change_no_bit():
+    """Many row blocks run a block per thread, few share their key spans across threads: the
+    same partials merged in the same order either way."""
+    q, k, v = inputs(200, 3000, 9, 3, 64, 4)  # 21 blocks of rows: per block on 2 threads, shared on 8
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        few = op(q, k, v, 0.125)
+        torch.set_num_threads(8)
+        many = op(q, k, v, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(few, many)
+
+
 def test_a_row_never_sees_a_later_key():
     q, k, v = inputs(4, 1500, 9, 3, 64, 2)
     before = op(q, k, v, 0.125)
