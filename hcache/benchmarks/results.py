@@ -117,8 +117,8 @@ def _attention(peers: dict) -> list[str]:
         "",
         "One layer's attention (`model/attention.causal_attention`, query heads grouped over their KV head, no "
         "T x S mask: the flash kernel on the prefix and on the causal block, merged by log-sum-exp; for a bfloat16 "
-        "cache of 1536 keys or more on a CPU without AMX, one pass of oneDNN matmuls over both), as GFLOP/s of "
-        "4 T S H D, against `torch.mm` on 2048-square matrices in the same dtype, same run.",
+        "cache on a CPU with AVX512-BF16 and no AMX, one pass of our kernel, `kernels/attention_bf16.cpp`, over "
+        "both), as GFLOP/s of 4 T S H D, against `torch.mm` on 2048-square matrices in the same dtype, same run.",
         "",
         "| dtype | mm GFLOP/s | " + " | ".join(f"{s} tokens: ms / GFLOP/s / of mm" for s in contexts) + " |",
         "|---|---:|" + "---:|" * len(contexts),
