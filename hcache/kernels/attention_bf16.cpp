@@ -126,7 +126,7 @@ void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const a
             __mmask16 see = _mm512_cmp_epi32_mask(tv, _mm512_set1_epi32(int32_t(key - sh.prefix)), _MM_CMPINT_NLT);
             s = _mm512_mask_blend_ps(see, ninf, s);
           }
-          if (j + a < TILE) _mm512_store_ps(&sc[j + a][16 * i], s);
+          _mm512_store_ps(&sc[j + a][16 * i], s);
         }
       }
     }

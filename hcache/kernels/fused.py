@@ -20,7 +20,6 @@ the reference's roundings."""
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import threading
 import time
@@ -28,6 +27,8 @@ import types
 from collections.abc import Callable
 
 import torch
+
+from hcache.kernels import COMPILE
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class _Compiled:
     checked (it loads a test library in a child Python); when that check fails it emits
     scalar C++ without a word, slower than eager: the timing is what catches that."""
 
-    failed = os.environ.get("HCACHE_COMPILE", "1") == "0"
+    failed = not COMPILE
     _lock = threading.Lock()
 
     def __init__(self, fn: Callable, eager: Callable[..., torch.Tensor], name: str):

@@ -19,27 +19,28 @@ from pathlib import Path
 
 import torch
 
+from hcache.kernels import COMPILE
+
 log = logging.getLogger(__name__)
 
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
 _lock = threading.Lock()
-_built: dict[str, Callable[..., torch.Tensor] | None] = {}
+_UNBUILT = object()
+_attention: Callable[..., torch.Tensor] | object | None = _UNBUILT
 
 
 def attention_bf16() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None:
     """`op(q [T, H, D], k [S, KvH, D], v, scale) -> [T, H*D]`, all bfloat16 on the CPU, head
     dims contiguous and a multiple of 16 up to 128; the last T positions attend causally."""
-    with _lock:
-        if "attention_bf16" not in _built:
-            _built["attention_bf16"] = _build("attention_bf16") if _supported() else None
-        return _built["attention_bf16"]
+    global _attention
+    if _attention is _UNBUILT:  # every layer of every forward asks: the lock only until built
+        with _lock:
+            if _attention is _UNBUILT:
+                _attention = _build() if COMPILE and torch.cpu._is_avx512_bf16_supported() else None
+    return _attention  # type: ignore[return-value]
 
 
-def _supported() -> bool:
-    return os.environ.get("HCACHE_COMPILE", "1") != "0" and torch.cpu._is_avx512_bf16_supported()
-
-
-def _build(name: str) -> Callable[..., torch.Tensor] | None:
+def _build() -> Callable[..., torch.Tensor] | None:
     from torch.utils.cpp_extension import load
 
     try:
@@ -47,9 +48,15 @@ def _build(name: str) -> Callable[..., torch.Tensor] | None:
             import ninja
 
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-        source = Path(__file__).with_name(f"{name}.cpp")
-        load(f"hcache_{name}", [str(source)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False)
-        return getattr(torch.ops.hcache_kernels, f"causal_{name}")
+        source = Path(__file__).with_name("attention_bf16.cpp")
+        load(
+            "hcache_attention_bf16",
+            [str(source)],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+        return torch.ops.hcache_kernels.causal_attention_bf16
     except Exception as e:  # no compiler, or one without AVX512-BF16: the library path serves
-        log.warning("building %s failed, attention runs on library kernels: %s", name, e)
+        log.warning("building attention_bf16 failed, attention runs on library kernels: %s", e)
         return None

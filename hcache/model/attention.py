@@ -192,9 +192,9 @@ _linear = torch.ops.mkldnn._linear_pointwise  # oneDNN's matmul with float32 out
 
 # Without AMX, torch's flash kernel multiplies bfloat16 through MKL, which runs far below
 # oneDNN on AMD; with AMX it packs its blocks for the tiles and stays the faster one.
-_MATMULS = torch.backends.mkldnn.is_available() and not torch.cpu._is_amx_tile_supported()
-# with AMX torch's flash kernel keeps the tiles; ours is not measured there yet
-_NATIVE = not torch.cpu._is_amx_tile_supported()
+_AMX = torch.cpu._is_amx_tile_supported()
+_MATMULS = torch.backends.mkldnn.is_available() and not _AMX
+_NATIVE = not _AMX  # with AMX torch's flash kernel keeps the tiles; ours is not measured there yet
 ROW_BLOCK = 128  # grouped query rows per score block: 128 x 8K float32 scores stay in cache
 MATMUL_MIN_KEYS = 1536  # below about this many prefix keys flash's single call is the quicker
 
