@@ -52,6 +52,15 @@ inline uint32_t pair(const at::BFloat16* p) {
   return v;
 }
 
+// A key's K and V rows into L1. The cache's rows are strided (a KV head's D of every
+// head's): left to the hardware prefetcher, a layer's cold K/V made the call 1.6x slower.
+inline void prefetch_row(const at::BFloat16* k, const at::BFloat16* v, int64_t d) {
+  for (int64_t e = 0; e < d; e += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(k + e), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(v + e), _MM_HINT_T0);
+  }
+}
+
 struct Shape {
   int64_t t, s, prefix, g, d, heads;  // new tokens, keys, keys before them, heads per KV head, head dim, heads
   int64_t qs0, qs1, ks0, ks1, vs0, vs1;  // strides (elements) of q [T,H,D], k/v [S,KvH,D]
@@ -106,6 +115,10 @@ void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const a
         for (int i = 0; i < RV; ++i) acc[a][i] = _mm512_setzero_ps();
       const at::BFloat16* kr[4];
       for (int a = 0; a < 4; ++a) kr[a] = kh + std::min(kt + j + a, k1 - 1) * sh.ks0;
+      for (int a = 0; a < 4; ++a) {  // the next tile's rows, a tile's compute ahead of use
+        const int64_t key = kt + j + a + TILE;
+        if (key < sh.s) prefetch_row(kh + key * sh.ks0, vh + key * sh.vs0, d);
+      }
       for (int64_t e = 0; e < dp; ++e) {
         __m512i qx[RV];
         for (int i = 0; i < RV; ++i) qx[i] = _mm512_load_si512(&qv[e][16 * i]);
