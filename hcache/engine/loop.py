@@ -79,6 +79,7 @@ class Loop:
                             self.finisher.fail(seq, EngineError(INTERNAL))
                     worked = True
                 if not worked:
+                    self.store.send_held()  # the decode steps' last rows go on to disk
                     trim_when_idle()
                     self.wake.wait(0.05)
                     self.wake.clear()

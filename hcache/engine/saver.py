@@ -97,7 +97,8 @@ def finish_decode(
     per kind; without it the forward wrote the hidden states and the new K/V rows are
     gathered from the pool."""
     if step is not None:
-        for dst, src, layers in ((batch.hidden_all, step.hidden, batch.hidden), (batch.kv_all, step.kv, batch.kv)):
+        for kind, src in ((Kind.HIDDEN, step.hidden), (Kind.KV, step.kv)):
+            dst, layers = batch.whole(kind), batch.layers(kind)
             if dst is not None:
                 dst.copy_(src if len(layers) == src.shape[0] else src[list(layers)])
     elif batch.kv:
@@ -106,4 +107,4 @@ def finish_decode(
             k, v = _kv_rows(caches[0], layer, pool_rows)
             dst[:, 0] = k
             dst[:, 1] = v
-    store.submit(batch)
+    store.submit(batch, hold=True)

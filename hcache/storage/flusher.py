@@ -197,13 +197,12 @@ class Packer(threading.Thread):
         def src(kind: Kind) -> tuple[tuple[int, ...], np.ndarray | dict[int, np.ndarray]]:
             got = srcs.get(kind)
             if got is None:
-                per_layer = batch.hidden if kind == Kind.HIDDEN else batch.kv
-                whole = batch.hidden_all if kind == Kind.HIDDEN else batch.kv_all
+                whole = batch.whole(kind)
                 if whole is not None:  # in the ring: one strided view over its layers
                     a: np.ndarray | dict[int, np.ndarray] = _byte_rows(whole, kind)
                 else:
-                    a = {layer: _byte_rows(t, kind) for layer, t in per_layer.items()}
-                got = srcs[kind] = (tuple(per_layer), a)
+                    a = {layer: _byte_rows(t, kind) for layer, t in batch.per_layer(kind).items()}
+                got = srcs[kind] = (batch.layers(kind), a)
             return got
 
         for seg in batch.segments:

@@ -8,11 +8,12 @@ import dataclasses
 import itertools
 import logging
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
 import torch
-from storage_helpers import GEOM, KINDS, check_all, dirs_in, expected, open_store, save
+from storage_helpers import GEOM, KINDS, check_all, dirs_in, expected, h_rows, kv_rows, open_store, save
 
 from hcache.config import StorageConfig
 from hcache.storage.buffers import ChunkBuffers, LayerBuffers
@@ -23,7 +24,7 @@ from hcache.storage.manifest import Manifest
 from hcache.storage.placement import Placement
 from hcache.storage.slab import aligned_buffer
 from hcache.storage.stats import StoreStats
-from hcache.storage.store import MANIFEST, ChunkStore
+from hcache.storage.store import HELD_STEPS, MANIFEST, ChunkStore
 
 
 @pytest.fixture
@@ -730,3 +731,49 @@ def test_a_staged_batch_fills_each_kind_with_one_copy() -> None:
     assert all(a_end <= b for (_, a_end), (b, _) in itertools.pairwise(sorted(ends)))  # no overlap
     assert all(lo >= ring.buf.data_ptr() + batch.offset for lo, _ in ends)
     assert all(hi <= ring.buf.data_ptr() + batch.offset + batch.nbytes for _, hi in ends)
+
+
+def _decode_rows(st: ChunkStore, owners: list[str], start: int, steps: int) -> None:
+    """Decode steps as the engine stages them: a row per owner per step, each batch held."""
+    for p in range(start, start + steps):
+        batch = st.acquire([(o, p, 1) for o in owners])
+        for layer, t in batch.hidden.items():
+            t.copy_(torch.cat([h_rows(layer, p, 1) for _ in owners]))
+        for layer, t in batch.kv.items():
+            t.copy_(torch.cat([kv_rows(layer, p, 1) for _ in owners]))
+        st.submit(batch, hold=True)
+
+
+def test_held_decode_batches_reach_the_packer_before_anything_after_them(dirs) -> None:
+    """Decode steps' batches wait to be sent together; a turn's end (and every other request
+    to the packer) sends them first, so what the turn made is durable and in order."""
+    with open_store(dirs[:2]) as st:
+        for owner in ("a", "b"):
+            st.create_owner(owner, KINDS, "fp")
+            save(st, owner, 0, 70)
+        _decode_rows(st, ["a", "b"], 70, 5)  # fewer than HELD_STEPS: all still held
+        assert st.packer.inbox.qsize() == 0 and len(st._held) == 5
+        st.mark_durable("a", list(range(75)))
+        st.mark_durable("b", list(range(75)))
+        for owner in ("a", "b"):
+            check_all(st, owner, 75)
+        _decode_rows(st, ["a"], 75, HELD_STEPS + 3)  # a full hold goes out on its own
+        assert len(st._held) == 3
+        st.send_held()  # as the engine's loop does when it idles
+        assert not st._held
+        st.mark_durable("a", list(range(75 + HELD_STEPS + 3)))
+        check_all(st, "a", 75 + HELD_STEPS + 3)
+
+
+def test_a_full_ring_sends_the_held_batches_instead_of_waiting_on_them(dirs) -> None:
+    """A ring with room for fewer batches than a hold keeps: acquiring sends the held ones
+    (which the packer then frees) rather than waiting forever for room they occupy."""
+    with open_store(dirs[:1], staging_bytes=6 << 10) as st:
+        st.create_owner("a", KINDS, "fp")
+        t = threading.Thread(target=_decode_rows, args=(st, ["a"], 0, 200), daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), "staging waits on room that held batches occupy"
+        st.mark_durable("a", list(range(200)))
+        check_all(st, "a", 200)
+        assert st.ring.waits > 0
