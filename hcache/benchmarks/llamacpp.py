@@ -1,10 +1,12 @@
 """llama.cpp, the peer in `bench/peers.py`, through llama-cpp-python on the default GGUF
 file: prefill, a sequence's state saved to a file and loaded back from the disk (not the
-page cache), the TTFT of a new turn after the load, and batched decode."""
+page cache), the TTFT of a new turn after the load, and batched decode; in a process of
+its own (`Peer`)."""
 
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
 import os
 import statistics
 import time
@@ -14,7 +16,7 @@ from typing import Any
 from hcache.model.loader import default_model_path
 
 TURN = 32
-REPEATS = 3  # evictions and turns per context for the TTFT rows: medians (disks and VMs jitter)
+REPEATS = 3  # rounds of each measure the two systems take turns in: medians (disks and VMs jitter)
 
 
 def llama(n_ctx: int, threads: int, logits_all: bool = False) -> Any:
@@ -53,56 +55,117 @@ def _drop_from_page_cache(path: Path) -> None:
 
 
 def llama_cpp_rows(doc: list[int], turn: list[int], contexts: list[int], scratch: Path, threads: int) -> list[dict]:
-    import llama_cpp
-    import numpy as np
-
-    llm = llama(max(contexts) + 2 * TURN, threads)
+    """llama.cpp's rows alone, in this process (the peers benchmark with hcache skipped)."""
+    me = _Llama(max(contexts) + 2 * TURN, threads, scratch)
     rows = []
     for n in contexts:
-        ids = doc[:n]
-        llm.reset()
-        t = time.perf_counter()
-        llm.eval(ids)
-        prefill = time.perf_counter() - t
-        path = scratch / f"llama-seq-{n}.bin"
-        arr = (llama_cpp.llama_token * n)(*ids)
-        t = time.perf_counter()
-        nbytes = llama_cpp.llama_state_seq_save_file(llm.ctx, str(path).encode(), 0, arr, n)
-        save = time.perf_counter() - t
-        loads, turns = [], []
-        for _ in range(REPEATS):
-            _drop_from_page_cache(path)
-            llm.reset()
-            out = (llama_cpp.llama_token * (n + 1))()
-            got = ctypes.c_size_t(0)
-            t = time.perf_counter()
-            ok = llama_cpp.llama_state_seq_load_file(llm.ctx, str(path).encode(), 0, out, n + 1, ctypes.byref(got))
-            loads.append(time.perf_counter() - t)
-            if not ok or got.value != n:
-                raise RuntimeError(f"llama.cpp could not load its state back ({got.value} of {n} tokens)")
-            llm.n_tokens = n
-            llm.input_ids[:n] = ids
-            t = time.perf_counter()
-            llm.eval(turn)
-            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
-            int(logits.argmax())  # the first token of the reply
-            turns.append(time.perf_counter() - t)
-        load_s, turn_s = statistics.median(loads), statistics.median(turns)
-        rows.append(
-            {
-                "system": "llama.cpp",
-                "tokens": n,
-                "prefill_ms": prefill * 1e3,
-                "save_ms": save * 1e3,
-                "state_bytes": nbytes,
-                "load_ms": load_s * 1e3,
-                "turn_ms": turn_s * 1e3,
-                "ttft_after_eviction_ms": statistics.median(a + b for a, b in zip(loads, turns, strict=True)) * 1e3,
-            }
-        )
-        path.unlink()
+        row = {"system": "llama.cpp", "tokens": n} | me.prepare(doc[:n])
+        loads, turns = zip(*(me.load_turn(doc[:n], turn) for _ in range(REPEATS)), strict=True)
+        rows.append(row | eviction_row(list(loads), list(turns)))
+        me.forget(n)
         print(f"llama.cpp {n}: {rows[-1]}", flush=True)
     return rows
+
+
+def eviction_row(loads: list[float], turns: list[float]) -> dict[str, float]:
+    """Medians of the load, the turn and their sum over the rounds (ms)."""
+    return {
+        "load_ms": statistics.median(loads),
+        "turn_ms": statistics.median(turns),
+        "ttft_after_eviction_ms": statistics.median(a + b for a, b in zip(loads, turns, strict=True)),
+    }
+
+
+class Peer:
+    """llama.cpp in a child process of its own, driven a call at a time (the caller waits,
+    so the two systems never run at once). hcache's measurements and llama.cpp's take turns
+    round by round: this VM's speed drifts by up to 15% over minutes, and measuring one
+    system after the other put that drift into their ratio. In its own process llama.cpp's
+    OpenMP teams never meet torch's."""
+
+    def __init__(self, n_ctx: int, threads: int, scratch: Path):
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child, n_ctx, threads, str(scratch)), daemon=True)
+        self._proc.start()
+
+    def call(self, name: str, *args: Any) -> Any:
+        self._conn.send((name, args))
+        ok, value = self._conn.recv()
+        if not ok:
+            raise RuntimeError(f"llama.cpp ({name}): {value}")
+        return value
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            self._conn.send(None)
+            self._proc.join(30)
+        self._conn.close()
+
+
+def _serve(conn: Any, n_ctx: int, threads: int, scratch: str) -> None:
+    """The child: a `_Llama` answering `Peer.call`s until told to stop."""
+    me = _Llama(n_ctx, threads, Path(scratch))
+    while (msg := conn.recv()) is not None:
+        name, args = msg
+        try:
+            conn.send((True, getattr(me, name)(*args)))
+        except Exception as e:  # the parent raises it
+            conn.send((False, f"{type(e).__name__}: {e}"))
+
+
+class _Llama:
+    def __init__(self, n_ctx: int, threads: int, scratch: Path):
+        self.threads, self.scratch = threads, scratch
+        self.llm = llama(n_ctx, threads)
+
+    def _path(self, n: int) -> Path:
+        return self.scratch / f"llama-seq-{n}.bin"
+
+    def prepare(self, ids: list[int]) -> dict[str, float]:
+        """Prefill `ids` (token recompute) and save the sequence's state to a file."""
+        import llama_cpp
+
+        n = len(ids)
+        self.llm.reset()
+        t = time.perf_counter()
+        self.llm.eval(ids)
+        prefill = time.perf_counter() - t
+        arr = (llama_cpp.llama_token * n)(*ids)
+        t = time.perf_counter()
+        nbytes = llama_cpp.llama_state_seq_save_file(self.llm.ctx, str(self._path(n)).encode(), 0, arr, n)
+        return {"prefill_ms": prefill * 1e3, "save_ms": (time.perf_counter() - t) * 1e3, "state_bytes": nbytes}
+
+    def load_turn(self, ids: list[int], turn: list[int]) -> tuple[float, float]:
+        """One eviction: the state file of `ids` loaded from the disk (not the page cache), then
+        a new turn to its first token; (load ms, turn ms)."""
+        import llama_cpp
+        import numpy as np
+
+        n = len(ids)
+        path = self._path(n)
+        _drop_from_page_cache(path)
+        self.llm.reset()
+        out = (llama_cpp.llama_token * (n + 1))()
+        got = ctypes.c_size_t(0)
+        t = time.perf_counter()
+        ok = llama_cpp.llama_state_seq_load_file(self.llm.ctx, str(path).encode(), 0, out, n + 1, ctypes.byref(got))
+        load = time.perf_counter() - t
+        if not ok or got.value != n:
+            raise RuntimeError(f"llama.cpp could not load its state back ({got.value} of {n} tokens)")
+        self.llm.n_tokens = n
+        self.llm.input_ids[:n] = ids
+        t = time.perf_counter()
+        self.llm.eval(turn)
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.llm.n_vocab(),))
+        int(logits.argmax())  # the first token of the reply
+        return load * 1e3, (time.perf_counter() - t) * 1e3
+
+    def forget(self, n: int) -> None:
+        self._path(n).unlink(missing_ok=True)
+
+    def decode(self, doc: list[int], batches: list[int], prompt: int, steps: int) -> dict[str, float]:
+        return llama_cpp_decode(doc, batches, prompt, steps, self.threads)
 
 
 def _fill(batch: Any, items: list[tuple[int, int, int, bool]]) -> None:
@@ -120,13 +183,14 @@ def llama_cpp_decode(doc: list[int], batches: list[int], prompt: int, steps: int
 
     out: dict[str, float] = {}
     llm = llama(max(batches) * (prompt + steps + 8), threads)
-    llm.eval(doc[:prompt])
-    tbt = []
-    for i in range(steps):
-        t = time.perf_counter()
-        llm.eval([doc[prompt + i]])
-        tbt.append(time.perf_counter() - t)
-    out["tbt_b1_ms"] = statistics.median(tbt) * 1e3
+    if 1 in batches:
+        llm.eval(doc[:prompt])
+        tbt = []
+        for i in range(steps):
+            t = time.perf_counter()
+            llm.eval([doc[prompt + i]])
+            tbt.append(time.perf_counter() - t)
+        out["tbt_b1_ms"] = statistics.median(tbt) * 1e3
     for b in [x for x in batches if x > 1]:
         params = llama_cpp.llama_context_default_params()
         params.n_ctx, params.n_batch, params.n_ubatch = b * (prompt + steps + 8), 512, 512

@@ -14,7 +14,9 @@ JSON in bench/results/peers.json (plots and RESULTS.md by bench/report.py)."""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import math
 import os
 import platform
 import random
@@ -29,7 +31,15 @@ import torch
 
 from hcache import omp
 from hcache.benchmarks import measures, report
-from hcache.benchmarks.llamacpp import REPEATS, TURN, llama, llama_cpp_decode, llama_cpp_rows
+from hcache.benchmarks.llamacpp import (
+    REPEATS,
+    TURN,
+    Peer,
+    eviction_row,
+    llama,
+    llama_cpp_decode,
+    llama_cpp_rows,
+)
 from hcache.config import EngineConfig, StorageConfig
 from hcache.engine.block_pool import resident_kv_dtype
 from hcache.engine.engine import Engine
@@ -61,7 +71,11 @@ def transformers_rows(doc: list[int], contexts: list[int], max_tokens: int) -> l
     return rows
 
 
-def hcache_rows(args: argparse.Namespace, doc: list[int], turn: list[int]) -> tuple[list[dict], dict[str, float]]:
+def hcache_rows(
+    args: argparse.Namespace, doc: list[int], turn: list[int], peer: Peer | None
+) -> tuple[list[dict], dict[str, Any]]:
+    """hcache's rows and decode figures; with `peer`, llama.cpp's too, each measure's rounds
+    alternating between the two systems."""
     omp.isolate_main()  # the engine's loop computes (see hcache/omp.py)
     lm = omp.on_worker(lambda: load("default", args.dtype, args.device, args.weights))
     dirs = ensure_dirs(args.dirs) if args.dirs else [Path(tempfile.mkdtemp(prefix="hcache-peers-"))]
@@ -92,25 +106,50 @@ def hcache_rows(args: argparse.Namespace, doc: list[int], turn: list[int]) -> tu
                 if name == "auto":
                     row["auto_plan"] = r.plan.layers
                 engine.delete(s.id)
-            ttfts = []
+            peer_row = {"system": "llama.cpp", "tokens": n} | (peer.call("prepare", doc[:n]) if peer else {})
+            ttfts, loads, turns = [], [], []
             for _ in range(REPEATS):
                 s = engine.create_session(context_ids=[ctx.id])  # evicted session, new turn: restore fused
                 seq = engine.generate(s.id, token_ids=turn, params=one)
                 ttfts.append(_last_stats(engine, seq).ttft_ms)
                 engine.delete(s.id)
+                if peer:
+                    load_ms, turn_ms = peer.call("load_turn", doc[:n], turn)
+                    loads.append(load_ms)
+                    turns.append(turn_ms)
             row["ttft_after_eviction_ms"] = statistics.median(ttfts)
             rows.append(row)
             print(f"hcache {n}: {row}", flush=True)
+            if peer:
+                peer.call("forget", n)
+                rows.append(peer_row | eviction_row(loads, turns))
+                print(f"llama.cpp {n}: {rows[-1]}", flush=True)
     finally:
         engine.close()
         store.close()
     # decode on engines as served: what sessions store is the planner's choice (the restore
-    # rows above store both kinds, to have every path), or nothing with the saver off
-    decode = _decode_variant(lm, prof, dirs, doc, args.batches, args) | _memory(lm.model)
-    decode["tbt_b1_saver_off_ms"] = _decode_variant(lm, prof, dirs, doc, [1], args, store_kinds="none")["tbt_b1_ms"]
+    # rows above store both kinds, to have every path), or nothing with the saver off.
+    # Batch 1, the closest ratio, in rounds: saver on, saver off, llama.cpp
+    b1: dict[str, list[float]] = {"on": [], "off": [], "llama.cpp": [], "host": []}
+    for _ in range(REPEATS):
+        on = _decode_variant(lm, prof, dirs, doc, [1], args)
+        b1["on"].append(on["tbt_b1_ms"])
+        b1["host"].append(on.get("host_ms_b1", math.nan))
+        b1["off"].append(_decode_variant(lm, prof, dirs, doc, [1], args, store_kinds="none")["tbt_b1_ms"])
+        if peer:
+            b1["llama.cpp"].append(peer.call("decode", doc, [1], args.decode_prompt, args.decode_steps)["tbt_b1_ms"])
+    more = [b for b in args.batches if b > 1]
+    decode = _decode_variant(lm, prof, dirs, doc, more, args) if more else {}
+    decode |= {"tbt_b1_ms": statistics.median(b1["on"]), "tbt_b1_saver_off_ms": statistics.median(b1["off"])}
+    decode |= {"tbt_b1_rounds_ms": b1["on"], "tbt_b1_saver_off_rounds_ms": b1["off"]} | _memory(lm.model)
+    decode["host_ms_b1"] = statistics.median(b1["host"])
     decode["weights"] = lm.model.weights  # what `auto` resolved to
     decode["kv_dtype"] = str(resident_kv_dtype(args.kv_dtype, lm.model)).removeprefix("torch.")
-    return rows, decode
+    peer_decode: dict[str, Any] = {}
+    if peer:
+        peer_decode = peer.call("decode", doc, more, args.decode_prompt, args.decode_steps) if more else {}
+        peer_decode |= {"tbt_b1_ms": statistics.median(b1["llama.cpp"]), "tbt_b1_rounds_ms": b1["llama.cpp"]}
+    return rows, {"hcache": decode} | ({"llama.cpp": peer_decode} if peer else {})
 
 
 def _engine(lm: Any, prof: Any, dirs: list[Path], args: argparse.Namespace, **cfg: Any) -> tuple[Engine, ChunkStore]:
@@ -131,6 +170,8 @@ def _decode_variant(
     finally:
         engine.close()
         store.close()
+        del engine, store
+        gc.collect()  # its block pool (reference cycles hold it): the next engine's must not add to the peak RSS
 
 
 def _memory(model: torch.nn.Module) -> dict[str, float]:
@@ -216,9 +257,20 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(data, indent=2))
 
     if "hcache" not in args.skip:
-        rows, dec = hcache_rows(args, doc, turn)
+        peer = None if "llama.cpp" in args.skip else Peer(max(args.contexts) + 2 * TURN, args.threads, scratch)
+        try:
+            rows, dec = hcache_rows(args, doc, turn, peer)
+        finally:
+            if peer:
+                peer.close()
         data["rows"] += rows
-        data["decode"]["hcache"] = dec
+        data["decode"] |= dec
+        save()
+    elif "llama.cpp" not in args.skip:  # llama.cpp alone
+        data["rows"] += llama_cpp_rows(doc, turn, args.contexts, scratch, args.threads)
+        data["decode"]["llama.cpp"] = llama_cpp_decode(
+            doc, args.batches, args.decode_prompt, args.decode_steps, args.threads
+        )
         save()
     # before llama.cpp: its OpenMP teams stay in this process, and with more team threads
     # than cores every parallel region of ours waits tens of microseconds for a sleeping one
@@ -229,11 +281,6 @@ def main(argv: list[str] | None = None) -> int:
     data["attention_kernels"] = measures.attention_kernels(
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max(args.contexts), TURN
     )
-    if "llama.cpp" not in args.skip:
-        data["rows"] += llama_cpp_rows(doc, turn, args.contexts, scratch, args.threads)
-        dec = llama_cpp_decode(doc, args.batches, args.decode_prompt, args.decode_steps, args.threads)
-        data["decode"]["llama.cpp"] = dec
-        save()
     if "transformers" not in args.skip:
         data["rows"] += omp.on_worker(lambda: transformers_rows(doc, args.contexts, args.transformers_max))
     if "llama.cpp" not in args.skip:

@@ -214,7 +214,9 @@ def render(results: Path, bench_dir: Path) -> str:
             "",
             "Both systems prefill every prompt first and then time decode steps of the whole batch "
             "(llama.cpp: the median step; hcache: the median gap between tokens over the middle half "
-            "of each sequence's turn).",
+            "of each sequence's turn). Batch-1 TBT and the TTFT columns above are medians of rounds "
+            "in which the two systems take turns (llama.cpp in a process of its own): this VM's "
+            "speed drifts by up to 15% over minutes.",
             "",
             "| | batch 1 TBT (ms) | "
             + " | ".join(f"batch {b} tokens/s" for b in peers["args"]["batches"] if b > 1)
@@ -235,6 +237,13 @@ def render(results: Path, bench_dir: Path) -> str:
                 f"hcache / llama.cpp: batch-1 TBT {a['tbt_b1_ms'] / b['tbt_b1_ms']:.2f}x; batch-{big} "
                 f"throughput {a.get(f'tokens_per_s_b{big}', 0) / max(1e-9, b.get(f'tokens_per_s_b{big}', 0)):.2f}x.",
             ]
+            if a.get("tbt_b1_rounds_ms") and b.get("tbt_b1_rounds_ms"):
+                pairs = zip(a["tbt_b1_rounds_ms"], b["tbt_b1_rounds_ms"], strict=False)
+                lines[-1] += (
+                    " Batch-1 rounds (hcache / llama.cpp, ms): "
+                    + ", ".join(f"{x:.2f} / {y:.2f}" for x, y in pairs)
+                    + "."
+                )
             if a.get("weights_mb"):
                 lines += [
                     "",
