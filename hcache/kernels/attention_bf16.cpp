@@ -53,7 +53,7 @@ inline uint32_t pair(const at::BFloat16* p) {
 }
 
 // A key's K and V rows into L1. The cache's rows are strided (a KV head's D of every
-// head's): left to the hardware prefetcher, a layer's cold K/V made the call 1.6x slower.
+// head's): the hardware prefetcher alone left a layer's cold K/V waiting on memory.
 inline void prefetch_row(const at::BFloat16* k, const at::BFloat16* v, int64_t d) {
   for (int64_t e = 0; e < d; e += 32) {
     _mm_prefetch(reinterpret_cast<const char*>(k + e), _MM_HINT_T0);

@@ -62,7 +62,7 @@ class StagedBatch:
         return self.hidden_all if kind == Kind.HIDDEN else self.kv_all
 
     def per_layer(self, kind: Kind) -> dict[int, torch.Tensor]:
-        # made on first use: a decode step fills the whole views, and views cost it ~20 us each
+        # made on first use: a decode step fills the whole views and never asks for these
         got = self._per_layer[kind]
         if got is None:
             whole = self.whole(kind)
@@ -140,6 +140,8 @@ class StagingRing:
         want = layers if isinstance(layers, tuple) else canonical(layers)
         lay = self._layouts.get((num_rows, want))
         if lay is None:
+            if len(self._layouts) >= 1024:  # prefill pieces come in any size: a bound, not an LRU
+                self._layouts.clear()
             lay = self._layouts[(num_rows, want)] = self._layout(num_rows, dict(want))
         if lay.nbytes > self.capacity:
             raise ValueError(f"a batch of {lay.nbytes} bytes does not fit a staging ring of {self.capacity}")
