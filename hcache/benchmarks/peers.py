@@ -9,6 +9,9 @@ in one run on this machine.
 - hcache: restore by auto, KV, H and RE from O_DIRECT storage, then the same new turn;
   and the fused TTFT after eviction (restore + turn in one layer-wise pipeline).
 - Decode: time between tokens at batch 1, aggregate tokens/s at batch 8 and 32.
+llama.cpp runs in a process of its own (`llamacpp.Peer`); the TTFT evictions and batch-1
+TBT alternate between the two systems round by round, so the VM's drift over minutes
+stays out of their ratios.
 JSON in bench/results/peers.json (plots and RESULTS.md by bench/report.py)."""
 
 from __future__ import annotations
@@ -266,12 +269,6 @@ def main(argv: list[str] | None = None) -> int:
         data["rows"] += rows
         data["decode"] |= dec
         save()
-    elif "llama.cpp" not in args.skip:  # llama.cpp alone
-        data["rows"] += llama_cpp_rows(doc, turn, args.contexts, scratch, args.threads)
-        data["decode"]["llama.cpp"] = llama_cpp_decode(
-            doc, args.batches, args.decode_prompt, args.decode_steps, args.threads
-        )
-        save()
     # before llama.cpp: its OpenMP teams stay in this process, and with more team threads
     # than cores every parallel region of ours waits tens of microseconds for a sleeping one
     cfg = read_config()
@@ -281,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     data["attention_kernels"] = measures.attention_kernels(
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max(args.contexts), TURN
     )
+    if "hcache" in args.skip and "llama.cpp" not in args.skip:  # llama.cpp alone, in this process
+        data["rows"] += llama_cpp_rows(doc, turn, args.contexts, scratch, args.threads)
+        data["decode"]["llama.cpp"] = llama_cpp_decode(
+            doc, args.batches, args.decode_prompt, args.decode_steps, args.threads
+        )
+        save()
     if "transformers" not in args.skip:
         data["rows"] += omp.on_worker(lambda: transformers_rows(doc, args.contexts, args.transformers_max))
     if "llama.cpp" not in args.skip:
