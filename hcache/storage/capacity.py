@@ -26,6 +26,11 @@ class Space:
         return int(max(high, low) * self.capacity) - self.free
 
 
+def dir_quota(quota_bytes: int, max_bytes: int, dirs: int) -> int:
+    """Each directory's quota: `quota_bytes`, and a total `max_bytes` split evenly (0: none)."""
+    return min((q for q in (quota_bytes, max_bytes // dirs) if q > 0), default=0)
+
+
 def release_order(kinds: list[Stored]) -> list[tuple[int, Kind]]:
     """The order an owner's stored (layer, kind) pairs are given up, cheapest loss first.
     H where the layer also keeps KV (the layer is still read, as a copy); then layers from the

@@ -5,6 +5,7 @@ layer's chunks spread over every device."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
@@ -60,6 +61,24 @@ def decode_layer_kinds(code: str) -> list[Stored]:
 def _decoded(code: str) -> tuple[Stored, ...]:  # a store's owners share a few codes
     back = {v: k for k, v in LAYER_CODES.items()}
     return tuple(back[c] for c in code)
+
+
+LayerKinds = tuple[tuple[int, Stored], ...]  # ((layer, kinds), ...) by layer: hashable
+
+
+def canonical(layers: Mapping[int, StoredSpec]) -> LayerKinds:
+    return tuple(sorted((layer, stored(k)) for layer, k in layers.items()))
+
+
+@functools.lru_cache(maxsize=1024)
+def union_of(codes: frozenset[str]) -> LayerKinds:
+    """What a batch of owners with these layer-kinds codes stores per layer (every step of
+    a decode batch asks)."""
+    union: dict[int, Stored] = {}
+    for code in codes:
+        for layer, ks in enumerate(_decoded(code)):
+            union[layer] = union.get(layer, frozenset()) | ks
+    return canonical(union)
 
 
 def align_up(n: int, a: int = ALIGN) -> int:

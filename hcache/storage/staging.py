@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hcache.storage.layout import Kind
+from hcache.storage.layout import Kind, LayerKinds, StoredSpec, canonical
 
 
 @dataclass
@@ -90,14 +90,6 @@ class _Layout:
     slots: dict[Kind, int]
 
 
-LayerKinds = tuple[tuple[int, frozenset[Kind]], ...]
-
-
-def canonical(layers: dict[int, Kind | set[Kind]]) -> LayerKinds:
-    """What a batch stores per layer as a hashable key: `((layer, kinds), ...)` by layer."""
-    return tuple(sorted((layer, frozenset({k} if isinstance(k, Kind) else k)) for layer, k in layers.items()))
-
-
 class StagingRing:
     def __init__(
         self,
@@ -131,7 +123,7 @@ class StagingRing:
     def acquire(
         self,
         num_rows: int,
-        layers: dict[int, Kind | set[Kind]] | LayerKinds,
+        layers: dict[int, StoredSpec] | LayerKinds,
         before_wait: Callable[[], None] | None = None,
     ) -> StagedBatch:
         """Room for `num_rows` rows of each (layer, kind) asked for (a dict, or `canonical`'s

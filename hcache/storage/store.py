@@ -11,7 +11,6 @@ import logging
 import os
 import shutil
 import threading
-from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 
 from hcache.config import ModelConfig, StorageConfig
 from hcache.storage.buffers import LayerBuffers, chunk_pools
-from hcache.storage.capacity import Space, release_order, to_release
+from hcache.storage.capacity import Space, dir_quota, release_order, to_release
 from hcache.storage.errors import FingerprintMismatch, StorageError, StoreLocked
 from hcache.storage.flusher import DirWriter, FlushTail, Forget, Packer
 from hcache.storage.layout import (
@@ -33,21 +32,22 @@ from hcache.storage.layout import (
     decode_layer_kinds,
     encode_layer_kinds,
     num_chunks,
+    union_of,
 )
 from hcache.storage.manifest import OwnerRow, open_manifest
+from hcache.storage.outbox import Outbox
 from hcache.storage.placement import Placement
 from hcache.storage.prefixes import prefix_hashes
 from hcache.storage.reader import OwnerReader, Want, read_chunk
 from hcache.storage.readpool import ReadPool
 from hcache.storage.slab import aligned_buffer
-from hcache.storage.staging import LayerKinds, Segment, StagedBatch, StagingRing, canonical
+from hcache.storage.staging import Segment, StagedBatch, StagingRing
 from hcache.storage.stats import DirUsage, StoreStats
 from hcache.storage.throttle import TokenBucket
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.sqlite"
 LOCK = "hcache.lock"
-HELD_STEPS = 16  # decode batches handed to the packer together (`submit`)
 
 
 class ChunkStore:
@@ -84,7 +84,7 @@ class ChunkStore:
         self.lock = threading.Lock()  # creating and deleting owners
         self.stats = StoreStats(read_bytes_by_dir=[0] * len(self.dirs))
         self.placement = Placement(self.dirs, self.manifest, self.shapes, cfg, self.stats)
-        self.placement.quota_bytes = self._dir_quota()
+        self.placement.quota_bytes = dir_quota(cfg.quota_bytes, cfg.max_bytes, len(self.dirs))
         self.chunk_buffers = chunk_pools(self.shapes)
         pinned = torch.device(device).type == "cuda" and torch.cuda.is_available()
         self.buffers = LayerBuffers(pinned, cfg.prefetch_bytes, cfg.prefetch_layers, self.stats)
@@ -102,9 +102,7 @@ class ChunkStore:
         # unwanted slots inside a request are at most two in a row (plan_requests' max_gap)
         discard = 2 * max(sh.slot_bytes for sh in self.shapes.values())
         self.reads = ReadPool(len(self.dirs), cfg.read_depth, cfg.max_request_bytes, aligned_buffer, discard)
-        self._held: list[StagedBatch] = []  # decode steps' batches not yet sent (`submit`)
-        self._held_lock = threading.Lock()
-        self._needs: dict[frozenset[str], LayerKinds] = {}  # `acquire`'s layer kinds per set of codes
+        self.outbox = Outbox(self.packer.inbox)
         for t in (self.packer, *self.writers):
             t.start()
         self._closed = False
@@ -160,16 +158,7 @@ class ChunkStore:
         """Stage 1: ring room for a batch whose rows are, in order, `(owner, start_token, n)`.
         Fill `batch.hidden[layer]` / `batch.kv[layer]`, or each kind's layers at once through
         `batch.hidden_all` / `batch.kv_all`, then `submit`."""
-        codes = frozenset(self.manifest.owner_layer_kinds(owner) for owner, *_ in segments)
-        need = self._needs.get(codes)
-        if need is None:  # a decode step asks every step: the union once per set of codes
-            union: dict[int, set[Kind]] = defaultdict(set)
-            for code in codes:
-                for layer, ks in enumerate(decode_layer_kinds(code)):
-                    union[layer] |= ks
-            if len(self._needs) >= 1024:
-                self._needs.clear()
-            need = self._needs[codes] = canonical(dict(union))
+        need = union_of(frozenset(self.manifest.owner_layer_kinds(owner) for owner, *_ in segments))
         total = sum(n for *_, n in segments)
         batch = self.ring.acquire(total, need, before_wait=self.send_held)
         row = 0
@@ -180,30 +169,12 @@ class ChunkStore:
         return batch
 
     def submit(self, batch: StagedBatch, hold: bool = False) -> None:
-        """Stage 2 takes the batch. `hold`: a decode step's; the packer gets it with up to
-        HELD_STEPS - 1 others (or with the next item it is sent), so it wakes once for
-        them: woken every step, its GIL turns and wake-ups took time from every step."""
-        with self._held_lock:
-            if hold and len(self._held) < HELD_STEPS - 1:
-                self._held.append(batch)
-                return
-            self._send(batch)
+        """Stage 2 takes the batch; `hold`: a decode step's, sent with others (`Outbox`)."""
+        self.outbox.submit(batch, hold)
 
     def send_held(self) -> None:
         """Held decode batches to the packer now (the engine idles, or the ring is full)."""
-        with self._held_lock:
-            self._send(None)
-
-    def _to_packer(self, item: object) -> None:
-        with self._held_lock:
-            self._send(item)
-
-    def _send(self, item: object) -> None:  # under _held_lock: everything reaches the packer in order
-        for b in self._held:
-            self.packer.inbox.put(b)
-        self._held.clear()
-        if item is not None:
-            self.packer.inbox.put(item)
+        self.outbox.send()
 
     def save_rows(self, owner: str, start: int, hidden: dict[int, torch.Tensor], kv: dict[int, torch.Tensor]) -> None:
         """Convenience for one owner: stage rows given per layer (H `[n, hidden]`, KV `[n, 2, kv_dim]`)."""
@@ -234,7 +205,7 @@ class ChunkStore:
         behind the rows before it at once."""
         n = next(iter(hidden.values() or kv.values())).shape[0]
         batch = StagedBatch(-1, 0, n, hidden, kv, [Segment(owner, start, n, 0)], in_ring=False, on_packed=on_packed)
-        self._to_packer(batch)
+        self.outbox.send(batch)
 
     def mark_durable(
         self, owner: str, tokens: list[int], meta: dict | None = None, index_as: str | None = None
@@ -245,7 +216,7 @@ class ChunkStore:
         tokens find them (`find_prefix`)."""
         self.owner_row(owner)
         done: Future = Future()
-        self._to_packer(FlushTail(owner, done))
+        self.outbox.send(FlushTail(owner, done))
         pending, staged = done.result()
         for f in pending:
             f.result()  # a failed write raises here: the turn is not durable
@@ -298,11 +269,6 @@ class ChunkStore:
         return self.manifest.prune_expired(before)
 
     # --- capacity ---------------------------------------------------------------
-    def _dir_quota(self) -> int:
-        """Each directory's quota: `quota_bytes`, and a total `max_bytes` split evenly."""
-        quotas = [q for q in (self.cfg.quota_bytes, self.cfg.max_bytes // len(self.dirs)) if q > 0]
-        return min(quotas, default=0)
-
     def space(self) -> Space:
         """Capacity and use over every directory (a directory without a quota: what its
         filesystem still has free, plus what the store holds there). Extents reserved ahead
@@ -351,12 +317,12 @@ class ChunkStore:
     def _forget(self, owner: str) -> None:
         """Wait for the owner's queued writes, then drop its packing state and write versions."""
         drained: Future = Future()
-        self._to_packer(FlushTail(owner, drained, write_tail=False))
+        self.outbox.send(FlushTail(owner, drained, write_tail=False))
         pending, _ = drained.result()
         for f in pending:
             f.exception()  # wait; a failed write of state being dropped does not matter
         done: Future = Future()
-        self._to_packer(Forget(owner, done))
+        self.outbox.send(Forget(owner, done))
         done.result()
         self.placement.forget_versions(owner)
 
@@ -400,7 +366,7 @@ class ChunkStore:
     def set_quota(self, nbytes: int) -> None:
         """Each directory's quota from now on (0: the filesystem's free space is the limit)."""
         self.cfg.quota_bytes = nbytes
-        self.placement.quota_bytes = self._dir_quota()
+        self.placement.quota_bytes = dir_quota(nbytes, self.cfg.max_bytes, len(self.dirs))
 
     # --- accounting -------------------------------------------------------------
     def usage(self) -> list[DirUsage]:

@@ -21,10 +21,11 @@ from hcache.storage.errors import ChunkError, StorageError, StorageFull, StoreLo
 from hcache.storage.fsck import fsck
 from hcache.storage.layout import CHUNK_TOKENS, Kind, chunk_shapes, home_dir
 from hcache.storage.manifest import Manifest
+from hcache.storage.outbox import HELD_STEPS
 from hcache.storage.placement import Placement
 from hcache.storage.slab import aligned_buffer
 from hcache.storage.stats import StoreStats
-from hcache.storage.store import HELD_STEPS, MANIFEST, ChunkStore
+from hcache.storage.store import MANIFEST, ChunkStore
 
 
 @pytest.fixture
@@ -752,15 +753,15 @@ def test_held_decode_batches_reach_the_packer_before_anything_after_them(dirs) -
             st.create_owner(owner, KINDS, "fp")
             save(st, owner, 0, 70)
         _decode_rows(st, ["a", "b"], 70, 5)  # fewer than HELD_STEPS: all still held
-        assert st.packer.inbox.qsize() == 0 and len(st._held) == 5
+        assert st.packer.inbox.qsize() == 0 and len(st.outbox.held) == 5
         st.mark_durable("a", list(range(75)))
         st.mark_durable("b", list(range(75)))
         for owner in ("a", "b"):
             check_all(st, owner, 75)
         _decode_rows(st, ["a"], 75, HELD_STEPS + 3)  # a full hold goes out on its own
-        assert len(st._held) == 3
+        assert len(st.outbox.held) == 3
         st.send_held()  # as the engine's loop does when it idles
-        assert not st._held
+        assert not st.outbox.held
         st.mark_durable("a", list(range(75 + HELD_STEPS + 3)))
         check_all(st, "a", 75 + HELD_STEPS + 3)
 
