@@ -752,6 +752,7 @@ def test_held_decode_batches_reach_the_packer_before_anything_after_them(dirs) -
         for owner in ("a", "b"):
             st.create_owner(owner, KINDS, "fp")
             save(st, owner, 0, 70)
+            st.mark_durable(owner, list(range(70)))  # the packer has taken everything sent so far
         _decode_rows(st, ["a", "b"], 70, 5)  # fewer than HELD_STEPS: all still held
         assert st.packer.inbox.qsize() == 0 and len(st.outbox.held) == 5
         st.mark_durable("a", list(range(75)))
