@@ -5,7 +5,7 @@ ninja; cached under `TORCH_EXTENSIONS_DIR`, rebuilt when the source changes).
 products (`attention_bf16.cpp`). No library kernel reaches that rate on a CPU without
 AMX: torch's flash kernel multiplies through MKL's bfloat16 GEMM, inductor's templates
 widen to float32, oneDNN's fused graph rounds the scores to bfloat16 (bench/RESULTS.md).
-None when the CPU lacks AVX512-BF16, when building fails (logged once), or with
+None when the CPU lacks AVX512-BF16 (`Cpu.bf16`), when building fails (logged once), or with
 `HCACHE_COMPILE=0`: callers keep their library path."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from hcache.kernels import COMPILE
+from hcache.kernels.cpu import cpu
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def attention_bf16() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, floa
     if _attention is _UNBUILT:  # every layer of every forward asks: the lock only until built
         with _lock:
             if _attention is _UNBUILT:
-                _attention = _build() if COMPILE and torch.cpu._is_avx512_bf16_supported() else None
+                _attention = _build() if COMPILE and cpu().bf16 else None
     return _attention  # type: ignore[return-value]
 
 

@@ -6,6 +6,7 @@ batched engine's paged cache implements the same contract (model/cache.py)."""
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 
 import torch
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from hcache.config import ModelConfig
 from hcache.kernels import native
+from hcache.kernels.cpu import cpu
 from hcache.kernels.fused import own_code
 
 
@@ -190,13 +192,26 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _linear = torch.ops.mkldnn._linear_pointwise  # oneDNN's matmul with float32 out, as inductor calls it
 
-# Without AMX, torch's flash kernel multiplies bfloat16 through MKL, which runs far below
-# oneDNN on AMD; with AMX it packs its blocks for the tiles and stays the faster one.
-_AMX = torch.cpu._is_amx_tile_supported()
-_MATMULS = torch.backends.mkldnn.is_available() and not _AMX
-_NATIVE = not _AMX  # with AMX torch's flash kernel keeps the tiles; ours is not measured there yet
+# The CPU's attention path (`Cpu.attention`): with AMX torch's flash kernel keeps the tiles;
+# AVX512-BF16 takes our kernel, or past `MATMUL_MIN_KEYS` oneDNN's matmuls (MKL's bfloat16
+# GEMM, flash's, runs far below them on AMD); without bfloat16 hardware both bfloat16 GEMMs
+# run reference loops, and K/V are widened to float32 for the float32 kernels.
+_PATH = cpu().attention
+_MATMULS = torch.backends.mkldnn.is_available() and _PATH == "native"
 ROW_BLOCK = 128  # grouped query rows per score block: 128 x 8K float32 scores stay in cache
 MATMUL_MIN_KEYS = 1536  # below about this many prefix keys flash's single call is the quicker
+_scratch = threading.local()  # per thread: the float32 copies of a layer's K and V
+
+
+def _widened(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V in float32, in a buffer reused from call to call: fresh memory for a long
+    context's copy costs more in page faults than the copy."""
+    n = k.numel()
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < 2 * n:
+        buf = _scratch.buf = torch.empty(2 * max(n, 1 << 20))
+    kf, vf = buf[:n].view(k.shape), buf[n : 2 * n].view(v.shape)
+    return kf.copy_(k), vf.copy_(v)
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -215,11 +230,13 @@ def _ungrouped(out: torch.Tensor, t: int) -> torch.Tensor:
 def _causal_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float | None) -> torch.Tensor:
     """Flash attention without a T x S mask: the new block attends to the prefix unmasked
     (query heads grouped over their KV head) and to itself causally; the two partial
-    results are merged by their log-sum-exp. A bfloat16 cache on a CPU without AMX takes
-    our AVX512-BF16 kernel (`kernels/native.py`), or without one, past `MATMUL_MIN_KEYS`,
-    `_matmul_attention`."""
+    results are merged by their log-sum-exp. A bfloat16 cache takes the CPU's path
+    (`_PATH`): our AVX512-BF16 kernel (`kernels/native.py`; where it did not build,
+    `_matmul_attention` past `MATMUL_MIN_KEYS`), torch's flash kernel, or float32 copies."""
     t, kvh = q.shape[0], k.shape[1]
-    if t > 1 and _NATIVE and k.dtype == torch.bfloat16 and (op := native.attention_bf16()) is not None:
+    if k.dtype == torch.bfloat16 and _PATH == "float32":
+        return _causal_cpu(q.float(), *_widened(k, v), prefix, scale).to(q.dtype)
+    if t > 1 and _PATH == "native" and k.dtype == torch.bfloat16 and (op := native.attention_bf16()) is not None:
         d = q.shape[2]
         if d % 16 == 0 and d <= 128 and q.stride(2) == k.stride(2) == v.stride(2) == 1:
             return op(q, k, v, d**-0.5 if scale is None else scale)

@@ -18,19 +18,12 @@ CosSin = tuple[torch.Tensor, torch.Tensor]
 
 def fused_int4(mods: tuple[nn.Module, ...]) -> Int4Linear | None:
     """The int4 modules as one, or None: not all int4, or the kernel's packing does not
-    concatenate here (it packs N in column blocks, and a part but the last that is not whole
-    blocks shifts the rest), which a probe shows."""
+    concatenate them on this CPU (`Int4Linear.joins`)."""
     if not all(isinstance(m, Int4Linear) for m in mods):
         return None
-    cat = Int4Linear.cat(mods)  # type: ignore[arg-type]
-    return cat if _same(cat, mods) else None
-
-
-def _same(one: nn.Module, parts: tuple[nn.Module, ...]) -> bool:
-    """`one`'s outputs are the parts' side by side, bit for bit, on a random probe."""
-    x = torch.randn(3, parts[0].in_features, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        return torch.equal(one(x), torch.cat([p(x) for p in parts], dim=-1))
+    if not all(Int4Linear.joins(m.out_features) for m in mods[:-1]):
+        return None
+    return Int4Linear.cat(mods)  # type: ignore[arg-type]
 
 
 class LlamaLayer(DecoderLayer):
@@ -59,9 +52,8 @@ class LlamaLayer(DecoderLayer):
         and V alone through `wkv`, rows of the same packed weights. Each pair stays separate
         where the packing does not concatenate (`fused_int4`)."""
         qkv = fused_int4((self.wq, self.wk, self.wv))
-        kv = qkv.rows(self.wq.out_features, qkv.out_features) if qkv is not None else None
-        if qkv is not None and kv is not None and _same(kv, (self.wk, self.wv)):
-            self.wqkv, self.wkv = qkv, kv
+        if qkv is not None:
+            self.wqkv, self.wkv = qkv, qkv.rows(self.wq.out_features, qkv.out_features)
             del self.wq, self.wk, self.wv
         gu = fused_int4((self.w_gate, self.w_up))
         if gu is not None:

@@ -13,11 +13,14 @@ min/max per group (`int4_from_float`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import nn
+
+from hcache.kernels.cpu import cpu
 
 GROUP = 32
 WEIGHT_MODES = ("float", "int4")
@@ -66,6 +69,21 @@ class Int4Linear(_Bf16Scales):
         packed = torch.cat([m.packed for m in mods])
         return cls(packed, torch.cat([m.scales_zeros for m in mods], dim=1), bias)
 
+    @staticmethod
+    @functools.cache
+    def joins(rows: int) -> bool:
+        """Whether a matrix of `rows` output rows can stand before others in one packed
+        matrix (`cat`, and `rows` views past it) with every part keeping its bits. The
+        kernel packs N in column blocks whose width is the ISA's, and a part but the last
+        that is not whole blocks shifts the rest: a probe on random matrices answers."""
+        if rows % 16:  # the kernel packs no matrix of such rows
+            return False
+        g = torch.Generator().manual_seed(0)
+        a, b = (int4_from_float(torch.randn(n, 2 * GROUP, generator=g)) for n in (rows, 16))
+        x = torch.randn(3, 2 * GROUP, generator=g)
+        with torch.no_grad():
+            return torch.equal(Int4Linear.cat((a, b))(x), torch.cat([a(x), b(x)], dim=-1))
+
     def rows(self, lo: int, hi: int) -> Int4Linear:
         """Output rows `lo..hi` as a module of their own, sharing the packed weights (the scales,
         a 32nd of their size, are copied: the kernel takes them contiguous)."""
@@ -97,10 +115,12 @@ class Int8Rows(_Bf16Scales):
         q = torch.round(w.float() / s[:, None]).clamp_(-127, 127).to(torch.int8)
         return cls(q, s.to(torch.bfloat16))
 
-    def pack_for_onednn(self) -> bool:
-        """Serve `forward` on oneDNN's int8 GEMM (AMX or VNNI) from a prepacked copy of the
-        rows (their size again); False where this torch has no oneDNN. `_weight_int8pack_mm`
-        runs a row at a time: a batch-32 decode step's head took 12 ms there, 1.7 ms here."""
+    def pack_for_onednn(self, bits: int | None = None) -> bool:
+        """Serve `forward` on oneDNN's int8 GEMM from a prepacked copy of the rows (their size
+        again), its activations quantized to `bits` (default: what this CPU sums exactly,
+        `Cpu.head_activation_bits`); False where this torch has no oneDNN.
+        `_weight_int8pack_mm` runs a row at a time: a batch-32 decode step's head is several
+        times slower there."""
         if self._handle is not None:
             return True
         if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")):
@@ -108,7 +128,7 @@ class Int8Rows(_Bf16Scales):
         packed = torch.ops.onednn.qlinear_prepack(self.q, None)
         zeros = torch.zeros(self.q.shape[0], dtype=torch.int32)
         self._handle = len(_ONEDNN)
-        _ONEDNN.append((packed, self.scales.float(), zeros))
+        _ONEDNN.append((packed, self.scales.float(), zeros, bits or cpu().head_activation_bits))
         self.packed_bytes = self.q.numel()
         return True
 
@@ -126,31 +146,34 @@ class Int8Rows(_Bf16Scales):
 
 # oneDNN's prepacked int8 matrices (opaque tensors), with their scales and zero points. The
 # custom op takes an index into this list: dynamo and inductor see no opaque tensor.
-_ONEDNN: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+_ONEDNN: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
 
 
 @torch.library.custom_op("hcache::int8_rows_mm", mutates_args=())
 def int8_rows_mm(x: torch.Tensor, handle: int) -> torch.Tensor:
     """`x @ rows.T` (float32 `[M, rows]`) on oneDNN's int8 GEMM. Each row of `x` is quantized
-    on its own (so a row's result never depends on the others in the batch), in two int8
-    passes: the row at its own scale, then what that left over at the remainder's scale,
-    about 15 bits where one pass (7) moved the shipped text's perplexity by 0.3%. Both
-    passes go in one call: it costs about the same at 2 rows as at 1. The integer sums are
-    exact and the activation scale is 1, so each output is `sum * row_scale`, rounded once.
-    Activations go in as uint8 around a zero point of 128: VNNI multiplies only unsigned by
-    signed bytes, and oneDNN ran signed activations on a reference path there (an AMD EPYC
-    without AMX: 0.96 s for one row; uint8: 0.37 ms, the same bits)."""
-    packed, scales, zeros = _ONEDNN[handle]
+    on its own (so a row's result never depends on the others in the batch), in two passes:
+    the row at its own scale, then what that left over at the remainder's scale (two 7-bit
+    passes keep about 15 bits, two 6-bit ones about 13; one 7-bit pass moved the shipped
+    text's perplexity by 0.3%). Both passes go in one call: it costs about the same at 2
+    rows as at 1. The integer sums are exact and the activation scale is 1, so each output
+    is `sum * row_scale`, rounded once. Activations go in unsigned around a zero point:
+    VNNI multiplies only unsigned by signed bytes (oneDNN ran signed activations on a
+    reference path), and without VNNI the pair sums saturate past 16 bits unless the
+    activations stay at or below 128 (`bits` 7)."""
+    packed, scales, zeros, bits = _ONEDNN[handle]
+    top = float(2 ** (bits - 1) - 1)
     x = x.float()
     m = x.shape[0]
     q = torch.empty(2 * m, x.shape[1])
-    s1 = x.abs().amax(1, keepdim=True).div_(127).clamp_min_(1e-30)
-    torch.div(x, s1, out=q[:m]).round_().clamp_(-127, 127)
+    s1 = x.abs().amax(1, keepdim=True).div_(top).clamp_min_(1e-30)
+    torch.div(x, s1, out=q[:m]).round_().clamp_(-top, top)
     rest = torch.addcmul(x, q[:m], s1, value=-1)
-    s2 = rest.abs().amax(1, keepdim=True).div_(127).clamp_min_(1e-30)
-    torch.div(rest, s2, out=q[m:]).round_().clamp_(-127, 127)
+    s2 = rest.abs().amax(1, keepdim=True).div_(top).clamp_min_(1e-30)
+    torch.div(rest, s2, out=q[m:]).round_().clamp_(-top, top)
+    zp = int(top) + 1
     y = torch.ops.onednn.qlinear_pointwise(
-        q.add_(128).to(torch.uint8), 1.0, 128, packed, scales, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+        q.add_(zp).to(torch.uint8), 1.0, zp, packed, scales, zeros, None, 1.0, 0, torch.float32, "none", [], ""
     )
     return y[:m].mul_(s1).add_(y[m:].mul_(s2))
 

@@ -5,6 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hcache.kernels import native
+from hcache.model import attention
 from hcache.model.attention import _matmul_attention, causal_attention
 
 
@@ -30,6 +32,25 @@ def test_matches_reference(dtype, tol, t, s, heads, kv_heads):
     out = causal_attention(q, k, v)
     assert out.shape == (t, heads * 16) and out.dtype == dtype
     assert (out.double() - reference(q, k, v)).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("path", ["native", "flash", "float32"])
+@pytest.mark.parametrize("t,s", [(9, 9), (9, 200), (32, 1600)])
+def test_each_cpu_kinds_path_over_a_bfloat16_cache_matches_the_reference(monkeypatch, path, t, s):
+    """`Cpu.attention`'s three paths, each run on every CPU that can: AVX512-BF16's kernel,
+    AMX's flash kernel, and the float32 kernels over widened K/V (AVX2), which give the
+    bits of a float32 cache holding the same values."""
+    if path == "native" and native.attention_bf16() is None:
+        pytest.skip("our kernel needs AVX512-BF16 and a C++ compiler")
+    monkeypatch.setattr(attention, "_PATH", path)
+    g = torch.Generator().manual_seed(s)
+    q = torch.randn(t, 9, 64, generator=g).bfloat16()
+    pool = torch.randn(2, s + 5, 3, 64, generator=g).bfloat16()
+    k, v = pool[0, 5:], pool[1, 5:]
+    out = causal_attention(q, k, v)
+    assert out.dtype == torch.bfloat16 and (out.double() - reference(q, k, v)).abs().max().item() < 2e-2
+    if path == "float32":
+        assert torch.equal(out, causal_attention(q.float(), k.float(), v.float()).bfloat16())
 
 
 def test_a_query_never_sees_a_later_key():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hcache.engine.block_pool import resident_kv_dtype
+from hcache.kernels.cpu import cpu
 from hcache.model.loader import _unpermute, auto_weights, default_model_path, load
 from hcache.model.quality import logits_of, perplexity
 from hcache.model.quant import Int4Linear, Int8Rows, int4_from_float
@@ -131,7 +132,7 @@ def test_auto_runs_a_q4_1_files_blocks_on_cpus_and_keeps_float_weights_float(tin
 def test_a_safetensors_model_is_quantized_on_load(tiny_folder):
     folder = str(tiny_folder("llama_gqa"))
     q = load(folder, "bfloat16", weights="int4").model
-    assert isinstance(q.layers[0].wq, Int4Linear) and isinstance(q.lm_head, Int8Rows)
+    assert isinstance(q.layers[0].w_down, Int4Linear) and isinstance(q.lm_head, Int8Rows)
     # the float model with the weights the kernels apply computes what the int4 model does
     ref = load(folder, "bfloat16").model
     q = _unfused(q)  # the separate modules, named as the float model's
@@ -150,10 +151,14 @@ def test_a_safetensors_model_is_quantized_on_load(tiny_folder):
 
 def _unfused(model):
     """The model with each fused int4 matrix split back into its separate modules (row views)."""
-    for layer in (la for la in model.layers if la.wqkv is not None):
-        q, kv, f = layer.n_heads * layer.hd, layer.n_kv * layer.hd, layer.w_gu.out_features // 2
-        layer.wq, layer.wk, layer.wv = (layer.wqkv.rows(a, b) for a, b in ((0, q), (q, q + kv), (q + kv, q + 2 * kv)))
-        layer.w_gate, layer.w_up = layer.w_gu.rows(0, f), layer.w_gu.rows(f, 2 * f)
+    for layer in model.layers:
+        q, kv = layer.n_heads * layer.hd, layer.n_kv * layer.hd
+        if layer.wqkv is not None:
+            parts = ((0, q), (q, q + kv), (q + kv, q + 2 * kv))
+            layer.wq, layer.wk, layer.wv = (layer.wqkv.rows(a, b) for a, b in parts)
+        if layer.w_gu is not None:
+            f = layer.w_gu.out_features // 2
+            layer.w_gate, layer.w_up = layer.w_gu.rows(0, f), layer.w_gu.rows(f, 2 * f)
         layer.wqkv = layer.wkv = layer.w_gu = None
     return model
 
@@ -162,9 +167,13 @@ def _unfused(model):
 def test_fused_int4_projections_give_the_separate_calls_bits(default_model, tiny_folder, dtype):
     """Q/K/V and gate/up run as one int4 call each: logits at every row count, and an H
     restore's K/V (through the K/V rows of the fused matrix), are the separate calls' bits.
-    Where the kernel's packing does not concatenate (the tiny model's 16-row K), they stay apart."""
+    Where the kernel's packing on this CPU does not concatenate (`Int4Linear.joins`: the
+    tiny model's 16-row K, and its 160-row gate where the packing's blocks are 64 wide),
+    they stay apart."""
     tiny = load(str(tiny_folder("llama_gqa")), dtype, weights="int4").model
-    assert tiny.layers[0].wqkv is None and tiny.layers[0].w_gu is None
+    c = tiny.cfg
+    assert (tiny.layers[0].wqkv is not None) == (Int4Linear.joins(c.q_dim) and Int4Linear.joins(c.kv_dim))
+    assert (tiny.layers[0].w_gu is not None) == Int4Linear.joins(c.intermediate_size)
     fused = load("default", dtype, weights="int4").model
     assert fused.layers[0].wqkv is not None and not hasattr(fused.layers[0], "wq")
     separate = _unfused(load("default", dtype, weights="int4").model)
@@ -179,16 +188,20 @@ def test_fused_int4_projections_give_the_separate_calls_bits(default_model, tiny
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), n
 
 
-def test_the_onednn_head_is_row_independent_close_and_the_same_compiled():
+@pytest.mark.parametrize("bits", [8, 7])
+def test_the_onednn_head_is_row_independent_close_and_the_same_compiled(bits):
     """The LM head on oneDNN's int8 GEMM quantizes each row on its own: a row's logits are
     the same bits alone or in any batch, eager or inside a compiled graph, and stay within
-    the bfloat16 kernel's rounding of `_weight_int8pack_mm`'s."""
+    the bfloat16 kernel's rounding of `_weight_int8pack_mm`'s. Both activation widths: 8 bits
+    where oneDNN has VNNI, 7 (no pair of byte products past 16 bits) on every CPU."""
+    if bits > cpu().head_activation_bits:
+        pytest.skip(f"8-bit activations need VNNI; this CPU is {cpu().kind}")
     g = torch.Generator().manual_seed(0)
     rows = Int8Rows.from_float(torch.randn(300, 64, generator=g))
     x = torch.randn(9, 64, generator=g) * 3
     x[:, 5] *= 40  # an outlier channel, as real hidden states have
     want = rows(x)  # `_weight_int8pack_mm`, on bfloat16 activations
-    if not rows.pack_for_onednn():
+    if not rows.pack_for_onednn(bits):
         pytest.skip("this torch has no oneDNN")
     got = rows(x)
     assert (got - want).abs().max() <= 2**-7 * want.abs().max()
