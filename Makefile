@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip
 PIN    := -c requirements/constraints.txt
 ARGS   ?=
 
-.PHONY: serve chat demo cluster-demo test lint proto bench bench-peers bench-serve bench-cluster clean
+.PHONY: serve chat demo cluster-demo test test-all lint proto bench bench-peers bench-serve bench-cluster clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -77,7 +77,11 @@ lint: $(VENV)/.test
 	$(VENV)/bin/ruff format --check hcache tests bench
 	$(VENV)/bin/lint-imports
 
+# What CI runs. The soak-scale variants (`slow`) run in test-all.
 test: lint
+	$(PY) -m pytest -q --durations=15 -m "not slow" $(ARGS)
+
+test-all: lint
 	$(PY) -m pytest -q --durations=15 $(ARGS)
 
 clean:

@@ -138,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(cfg: Config) -> int:
     import logging
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from hcache.server import app
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return app.serve(cfg)
 
 

@@ -223,6 +223,9 @@ class EngineConfig:
         "compiled: the decode step is one torch.compile graph (compiled at start; cached after); eager: op by op",
         choices=("compiled", "eager"),
     )
+    compile_in_background: bool = setting(
+        True, "on a CPU, serve with eager decode steps while the compiled step compiles (off: compile before serving)"
+    )
     piece_tokens: int = setting(512, "prefill runs in pieces of this many tokens")
     prefill_slice_ms: float = setting(25.0, "restore/prefill time per engine step while others decode")
     default_max_new_tokens: int = setting(256, "max_new_tokens of a request that gives none")

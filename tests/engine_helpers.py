@@ -49,7 +49,7 @@ def make_engine(
     store = ChunkStore(
         StorageConfig([str(d) for d in dirs], **(storage or {})), model.cfg, model.dtype, str(model.device), kv_dtype
     )
-    ecfg = EngineConfig(**{"store_kinds": "both", "kv_budget_bytes": 64 << 20, **cfg})  # type: ignore[arg-type]
+    ecfg = EngineConfig(**{"store_kinds": "both", "kv_budget_bytes": 64 << 20, "compile_in_background": False, **cfg})  # type: ignore[arg-type]
     return Engine(model, tok, store, profile_for(model), ecfg, cluster=cluster), store
 
 

@@ -95,7 +95,7 @@ def test_uncreatable_storage_dir(tmp_path, capsys, command: list[str]) -> None:
     assert str(bad) in err and "Traceback" not in err
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_demo_json(default_model, monkeypatch, capsys) -> None:
     import json
 

@@ -99,7 +99,7 @@ def test_the_file_sets_values_and_flags_given_win(toml, tmp_path) -> None:
     assert cfg.storage.read_depth == 3 and cfg.engine.store_kinds == "kv"  # the file's, where no flag was given
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_file_and_flag_values_reach_the_store_and_engine(toml, tmp_path, default_model) -> None:
     _, cfg = configure(["serve", "--config", str(toml), "--read-cap-gbps", "0.5", "--max-batch", "5"])
     engine, store = build_engine(cfg, profile_for(default_model.model), default_model)

@@ -361,7 +361,7 @@ class ComposeRedis(RedisCluster):
         return out.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_compose_redis_cluster_forms_and_comes_back(tmp_path):
     c = ComposeRedis(tmp_path)
     try:

@@ -91,7 +91,9 @@ def run(args: argparse.Namespace) -> dict:
     prof = omp.on_worker(lambda: profiler.load_or_run(model, dirs, Path(args.profile_dir)))
     kv_dtype = resident_kv_dtype(args.kv_dtype, model)
     store = ChunkStore(StorageConfig([str(d) for d in root]), model.cfg, model.dtype, "cpu", kv_dtype)
-    cfg = EngineConfig(kv_budget_bytes=args.budget_mb << 20, store_kinds="auto", kv_dtype=args.kv_dtype)
+    cfg = EngineConfig(
+        kv_budget_bytes=args.budget_mb << 20, store_kinds="auto", kv_dtype=args.kv_dtype, compile_in_background=False
+    )
     engine = Engine(model, tok, store, prof, cfg)
     serve_compiled_only()
     vocab = model.cfg.vocab_size

@@ -160,7 +160,9 @@ def _engine(lm: Any, prof: Any, dirs: list[Path], args: argparse.Namespace, **cf
     roots = [tempfile.mkdtemp(dir=d) for d in dirs]
     kv_dtype = resident_kv_dtype(args.kv_dtype, lm.model)
     store = ChunkStore(StorageConfig(roots), lm.model.cfg, lm.model.dtype, args.device, kv_dtype)
-    return Engine(lm.model, lm.tokenizer, store, prof, EngineConfig(kv_dtype=args.kv_dtype, **cfg)), store
+    return Engine(
+        lm.model, lm.tokenizer, store, prof, EngineConfig(kv_dtype=args.kv_dtype, compile_in_background=False, **cfg)
+    ), store
 
 
 def _decode_variant(

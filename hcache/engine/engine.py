@@ -98,7 +98,9 @@ class Engine(ClusterTurns):
             store, profile, self.registry, self.scheduler, self.runner, self.finisher, self.reclaimer,
             self.chunks, self.counters, self.telemetry, self.lock, self._wake, model.device,
         )  # fmt: skip
-        heap.freeze()  # the model, compiled steps and this engine: no full collection walks them
+        heap.freeze()  # the model, compiled kernels and this engine: no full collection walks them
+        if not self.runner.compiled.is_set():  # and the compiled step, once compiled
+            self.runner.after_compiled(heap.freeze)
 
     # --- public API (called from RPC threads) -------------------------------------
     def create_session(

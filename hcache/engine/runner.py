@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,23 +35,67 @@ log = logging.getLogger(__name__)
 class Runner:
     def __init__(self, model: DecoderModel, store: ChunkStore, cfg: EngineConfig):
         self.model, self.store, self.cfg = model, store, cfg
-        self.graph = DecodeGraph(model) if cfg.decode == "compiled" else None
+        # the compiled step, once `warm` compiled it; until then (and under `--decode eager`)
+        # steps run eager: the same arithmetic, op by op
+        self.graph: DecodeGraph | None = None
+        self.compiled = threading.Event()  # the compiled step serves, or never will
+        self._after: list[Callable[[], None]] = []
+        self._after_lock = threading.Lock()
         # recent decode steps: (whole step, the compiled graph's call) in ms; the difference
         # is the host's Python work around it (tables, staging, sampling)
         self.step_ms: deque[tuple[float, float]] = deque(maxlen=512)
 
     def warm(self, pool: BlockPool) -> None:
-        """Compile the decode steps for `pool`'s dtype now, so that no request waits for it
-        (on CUDA, also record the step's graphs over the pool's rows)."""
+        """Compile what eager steps run for `pool`'s dtype now, so that no request waits for
+        it, then the compiled decode step: now, or (`compile_in_background`, on a CPU) on a
+        thread of its own while eager steps serve (on CUDA the step's graphs are also
+        recorded over the pool's rows). `after_compiled` hooks run once it serves."""
         model, kv_dtype = self.model, pool.dtype
         omp.on_worker(lambda: warm_decode(model, kv_dtype))
-        graph = self.graph
-        if graph is None:
+        if self.cfg.decode != "compiled":
+            self._done()
             return
-        omp.on_worker(lambda: graph.warm(kv_dtype))
-        if model.device.type == "cuda":  # before any session holds blocks (see `capture`)
-            blocks = min(pool.num_blocks, key_width(model.cfg.max_position) // BLOCK_TOKENS)
-            graph.capture(pool.k, pool.v, self.cfg.max_batch, blocks)
+        graph = DecodeGraph(model)
+
+        def compile_step() -> None:
+            try:
+                graph.warm(kv_dtype)
+                if model.device.type == "cuda":  # before any session holds blocks (see `capture`)
+                    blocks = min(pool.num_blocks, key_width(model.cfg.max_position) // BLOCK_TOKENS)
+                    graph.capture(pool.k, pool.v, self.cfg.max_batch, blocks)
+                self.graph = graph
+            finally:
+                self._done()
+
+        if self.cfg.compile_in_background and model.device.type == "cpu":
+            # one thread at a time computes with the full thread count (omp.py): this one
+            # compiles and runs its warm-up steps serially
+            def background() -> None:
+                omp.serial()
+                try:
+                    compile_step()
+                except Exception:
+                    log.exception("compiling the decode step failed; decode steps stay eager")
+
+            log.info("compiling the decode step in the background; eager steps serve meanwhile")
+            threading.Thread(target=background, name="hcache-compile", daemon=True).start()
+        else:
+            omp.on_worker(compile_step)
+
+    def after_compiled(self, fn: Callable[[], None]) -> None:
+        """Run `fn` once the decode step is compiled (now, if it is)."""
+        with self._after_lock:
+            if not self.compiled.is_set():
+                self._after.append(fn)
+                return
+        fn()
+
+    def _done(self) -> None:
+        with self._after_lock:
+            self.compiled.set()
+            hooks, self._after = self._after, []
+        for fn in hooks:
+            fn()
 
     def start(self, seq: Sequence, plan: Plan | None, source: StateSource | None, fetched: Fetched | None) -> None:
         """The turn's job: restore by `plan` from `source` (when not resident), then prefill.

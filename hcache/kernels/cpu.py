@@ -10,14 +10,11 @@ machine. The callers (model/quant.py, model/attention.py, kernels/native.py) ask
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import platform
 from dataclasses import dataclass
 
 import torch
-
-log = logging.getLogger(__name__)
 
 # oneDNN's ISA levels, lowest first (its `ONEDNN_MAX_CPU_ISA` values)
 _ONEDNN_LEVELS = (
@@ -75,6 +72,9 @@ class Cpu:
             return "native"
         return "float32"
 
+    def describe(self) -> str:
+        return f"CPU kind {self.kind}: " + ", ".join(f"{k} {v}" for k, v in self.paths().items() if k != "cpu")
+
     def paths(self) -> dict[str, str]:
         """The kernel each hot path runs here, by name."""
         head = "onednn-int8" if torch.backends.mkldnn.is_available() else "int8pack"
@@ -98,6 +98,4 @@ def cpu() -> Cpu:
     bf16 = avx512 and torch.cpu._is_avx512_bf16_supported()
     vnni_hw = torch.cpu._is_vnni_supported() or amx
     vnni_dnn = _onednn_allows("AVX512_CORE_VNNI" if avx512 else "AVX2_VNNI")
-    found = Cpu(arch, aten, avx512, bf16, amx, x86 and vnni_hw and vnni_dnn)
-    log.info("CPU kind %s: %s", found.kind, ", ".join(f"{k} {v}" for k, v in found.paths().items() if k != "cpu"))
-    return found
+    return Cpu(arch, aten, avx512, bf16, amx, x86 and vnni_hw and vnni_dnn)

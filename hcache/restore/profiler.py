@@ -35,6 +35,7 @@ RE_CONTEXTS = (256, 1024, 2048, 4096, 8192)
 # a GPU recomputes long contexts in milliseconds: measure the quadratic part, don't extrapolate it
 RE_CONTEXTS_GPU = (*RE_CONTEXTS, 16384)
 IO_TOKENS = 4096
+LONG_CONTEXT = 4096  # recompute at this many tokens or more is timed on fewer layers and runs
 H_TOKENS = (1024, 4096)
 PROFILE_VERSION = 9  # bumped when the profile gains a measurement or the read path changes: older files are re-measured
 # on a CPU a mix's prediction errs more than a single method's (its recompute prefix shares
@@ -170,7 +171,7 @@ def _re_beside_reads(model: DecoderModel, st: ChunkStore, owner: str, fp: str, c
     plan = Plan((Method.RECOMPUTE,) * k + (Method.HIDDEN,) * (L - k))
     tokens = st.owner_row(owner).tokens
     alone, beside = [], []
-    for i in range(4):  # the first warms both
+    for i in range(3):  # the first warms both
         cache.truncate(0)
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -256,14 +257,16 @@ def run(
             bar.update(task, description=f"recompute, {ctx} tokens")
             ids = torch.randint(0, cfg.vocab_size, (ctx,), device=dev)
 
-            depth = min(cfg.num_layers, 4)
+            # long contexts: fewer layers and runs (seconds each, and little noise)
+            long = ctx >= LONG_CONTEXT
+            depth = min(cfg.num_layers, 2 if long else 4)
             cache = KVCache(cfg, dt, dev, capacity=ctx)
 
             def some_layers(ids: torch.Tensor = ids, depth: int = depth, cache: KVCache = cache) -> None:
                 cache.truncate(0)
                 model(ids, torch.arange(len(ids), device=dev), cache, num_layers=depth)
 
-            re_points[ctx] = median_ms(some_layers, repeats=3) / depth
+            re_points[ctx] = median_ms(some_layers, repeats=1 if long else 3) / depth
             bar.advance(task)
     prof = Profile(
         name=device_name(dev),

@@ -5,9 +5,12 @@ durable), then the server stops."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
+import time
+from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +25,7 @@ from hcache.engine.block_pool import resident_kv_dtype
 from hcache.engine.cluster import ClusterLink
 from hcache.engine.engine import Engine
 from hcache.engine.telemetry import Telemetry
+from hcache.kernels.cpu import cpu
 from hcache.model.loader import LoadedModel, load
 from hcache.restore import profiler
 from hcache.restore.profile import Profile
@@ -79,13 +83,19 @@ def build_engine(
 ) -> tuple[Engine, ChunkStore]:
     if profile is None and cfg.profile:
         profile = Profile.load(Path(cfg.profile))  # before the model: a bad path fails at once
-    loaded = loaded or load(cfg.model, cfg.dtype, cfg.device, cfg.weights)
+    log.info(cpu().describe())
+    if loaded is None:
+        with _step(f"loading {cfg.model} ({cfg.dtype}, weights {cfg.weights})"):
+            loaded = load(cfg.model, cfg.dtype, cfg.device, cfg.weights)
     if loaded.tokenizer is None:
         raise ValueError(f"{loaded.source} has no tokenizer; hcache serve needs one")
     dirs = ensure_dirs(cfg.storage.dirs)
-    warm_up(loaded.model)
+    with _step("compiling the prefill and restore kernels (cached after the first start)"):
+        warm_up(loaded.model)
     if profile is None:
-        profile = profiler.load_or_run(loaded.model, dirs, Path(cfg.profile_dir))
+        path = profiler.profile_path(Path(cfg.profile_dir), loaded.model)
+        with _step(f"{'reading' if path.exists() else 'measuring this machine for'} the restore planner's profile"):
+            profile = profiler.load_or_run(loaded.model, dirs, Path(cfg.profile_dir))
     link = cluster_link(cfg)  # before the store: an unreachable cluster fails the start at once
     try:
         m = loaded.model
@@ -96,14 +106,24 @@ def build_engine(
         raise
     try:
         name = str(loaded.source.name)
-        engine = Engine(loaded.model, loaded.tokenizer, store, profile, cfg.engine, name, telemetry, link)
+        with _step("starting the engine"):
+            engine = Engine(loaded.model, loaded.tokenizer, store, profile, cfg.engine, name, telemetry, link)
     except Exception:
         store.close()
         if link is not None:
             link.close()
         raise
-    serve_compiled_only()
+    engine.runner.after_compiled(serve_compiled_only)
     return engine, store
+
+
+@contextlib.contextmanager
+def _step(what: str) -> Iterator[None]:
+    """A start-up step in the log: what is being prepared, then how long it took."""
+    log.info("%s ...", what)
+    t0 = time.perf_counter()
+    yield
+    log.info("%s: done in %.1f s", what, time.perf_counter() - t0)
 
 
 def cluster_link(cfg: Config) -> ClusterLink | None:

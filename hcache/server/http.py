@@ -1,6 +1,6 @@
 """The HTTP side: an ASGI app (FastAPI) under uvicorn, on the same engine as gRPC.
-/metrics (Prometheus), /healthz (live), /readyz (model loaded, every storage directory
-writable, the session cluster reachable in cluster mode, not draining), /dashboard and its
+/metrics (Prometheus), /healthz (live), /readyz (model loaded, decode step compiled, every
+storage directory writable, the session cluster reachable in cluster mode, not draining), /dashboard and its
 JSON feed, and OpenAI's /v1 API (`openai_api.py`). Errors leave in OpenAI's JSON shape, mapped in one place."""
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ def readiness(metrics: Metrics) -> tuple[bool, list[str]]:
     if e is None:
         return False, ["model not loaded"]
     problems = ["draining"] if e.draining else []
+    if not e.runner.compiled.is_set():
+        # eager steps serve meanwhile, their rounding not the compiled step's: a load
+        # balancer sends sessions to replicas whose continuations match each other's
+        problems.append("compiling the decode step")
     for d in e.store.dirs:
         try:
             fd, name = tempfile.mkstemp(dir=d, prefix=".ready-")

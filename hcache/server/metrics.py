@@ -13,13 +13,14 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from hcache.engine.cluster import ClusterState
 from hcache.engine.records import StorageState
 from hcache.engine.telemetry import Telemetry
+from hcache.kernels.cpu import cpu
 
 if TYPE_CHECKING:
     from hcache.engine.engine import Engine
@@ -58,6 +59,7 @@ class Metrics(Telemetry):
             registry=r,
         )
         self.requests = Counter("hcache_requests", "RPCs by method and status code", ["rpc", "code"], registry=r)
+        Info("hcache_cpu", "The CPU kind and the kernel each hot path takes on it", registry=r).info(cpu().paths())
         self._lock = threading.Lock()
         self._buckets: deque[dict[str, Any]] = deque(maxlen=HISTORY)
         self._rates: dict[str, tuple[float, float]] = {}  # dir -> (read MB/s, write MB/s)
@@ -217,6 +219,11 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snap = self.e.snapshot()
         c, st = snap.counters, snap.storage
+        yield GaugeMetricFamily(
+            "hcache_decode_compiled",
+            "1 once decode steps run the compiled graph (0: eager, while it compiles or by configuration)",
+            int(self.e.runner.graph is not None),
+        )
         yield CounterMetricFamily("hcache_checksum_failures", "Chunks that failed their checksum", st.checksum_failures)
         yield CounterMetricFamily(
             "hcache_recompute_fallback_layers", "Layers recomputed because stored state was unusable", c.fallback_layers

@@ -13,7 +13,7 @@ from hcache.engine.generate import common_prefix
 from hcache.engine.sampler import SamplingParams
 from hcache.storage.layout import CHUNK_TOKENS
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 SYSTEM = (
     "You are a helpful assistant for travellers in Europe. Answer every question in one short, plain "
     "sentence, without lists, headings or emphasis, and say so when you do not know the answer. "

@@ -27,7 +27,7 @@ from hcache.engine.sampler import SamplingParams
 from hcache.server.app import Running, start
 from hcache.storage.redis_catalogue import RedisCatalogue
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 SYSTEM = "You are a helpful assistant. Answer briefly."
 TURNS = ["What is the capital of France?", "And of Italy?", "Which of the two is larger?", "Thanks! Bye."]
 MAX_NEW = 16

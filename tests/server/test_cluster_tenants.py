@@ -14,7 +14,7 @@ from hcache.client import Client
 from hcache.config import Config, EngineConfig, ServerConfig, StorageConfig
 from hcache.server.app import start
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 KEY_A = "alice-key-0123456789abcdef"
 KEY_B = "bob-key-0123456789abcdef00"
 

@@ -19,7 +19,7 @@ from hcache.client import Client
 from hcache.config import Config, EngineConfig, ServerConfig, StorageConfig
 from hcache.server.app import start
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 
 

@@ -15,7 +15,7 @@ from hcache.config import Config, EngineConfig, ServerConfig, StorageConfig
 from hcache.server.app import start
 from hcache.v1 import hcache_pb2 as pb
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 OK = grpc.StatusCode.OK
 EXPECTED = {
     grpc.StatusCode.INVALID_ARGUMENT,

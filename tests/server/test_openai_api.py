@@ -17,7 +17,7 @@ from hcache.client import Client
 from hcache.config import Config, EngineConfig, ServerConfig, StorageConfig
 from hcache.server.app import start
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 KEY_A, KEY_B = "alice-key-0123456789abcdef", "bob-key-0123456789abcdef0"
 SYSTEM = "You are a helpful assistant. Answer briefly."
 TURNS = ["What is the capital of France?", "And of Italy?", "Which of the two is larger?", "Thanks! Say goodbye."]

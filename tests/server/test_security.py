@@ -22,7 +22,7 @@ from hcache.config import Config, EngineConfig, ServerConfig, StorageConfig
 from hcache.server.app import start
 from hcache.server.auth import load_keys
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 KEY_A, KEY_B = "alice-0123456789abcdef", "bob-0123456789abcdef00"
 
 

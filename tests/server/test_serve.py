@@ -15,7 +15,7 @@ from engine_helpers import free_port, profile_for
 
 from hcache.client import Client, wait_for_server
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from hcache.engine.generate import ChatSession
 from hcache.engine.sampler import SamplingParams
 from hcache.server.app import Running, start
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 SYSTEM = "You are a helpful assistant. Answer briefly."
 TURNS = ["What is the capital of France?", "And of Italy?", "Which of the two is larger?", "Thanks! Bye."]
 MAX_NEW = 24
