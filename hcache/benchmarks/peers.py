@@ -49,6 +49,7 @@ from hcache.engine.engine import Engine
 from hcache.engine.records import TurnStats
 from hcache.engine.sampler import SamplingParams
 from hcache.engine.sequence import Sequence
+from hcache.kernels.cpu import cpu as kernels_cpu
 from hcache.model.loader import default_model_path, load, read_config
 from hcache.restore import profiler
 from hcache.restore.plan import Method
@@ -317,8 +318,16 @@ def machine() -> dict[str, Any]:
         ),
         platform.processor(),
     )
+    caps = {
+        k: os.environ[k]
+        for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+        if k in os.environ
+    }
     return {
         "cpu": cpu,
+        "cpu_kind": kernels_cpu().kind,  # as hcache's kernels see it (capped by `caps`)
+        "kernels": kernels_cpu().paths(),
+        "caps": caps,
         "cores": os.cpu_count(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "memory_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,

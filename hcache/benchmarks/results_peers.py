@@ -147,7 +147,9 @@ def peers_section(peers: dict, bench_dir: Path) -> list[str]:
     lines += [
         "## Machine and versions",
         "",
-        f"{m['cpu']}, {m['cores']} cores, {m['memory_gb']:.0f} GB; Python {m['python']}, torch {m['torch']}, "
+        f"{m['cpu']} (CPU kind {m.get('cpu_kind', 'not recorded')}"
+        + "".join(f", {k}={v}" for k, v in m.get("caps", {}).items())
+        + f"), {m['cores']} cores, {m['memory_gb']:.0f} GB; Python {m['python']}, torch {m['torch']}, "
         f"llama-cpp-python {m['llama-cpp-python']}, transformers {m['transformers']}; run {m['date']}. "
         f"hcache ran in {peers['args']['dtype']} with {hc.get('weights', peers['args'].get('weights'))} weights "
         f"and a {hc.get('kv_dtype', peers['args'].get('kv_dtype'))} KV cache on "
