@@ -4,6 +4,8 @@ and the single-sequence reference it must match."""
 from __future__ import annotations
 
 import socket
+import urllib.error
+import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
@@ -99,6 +101,15 @@ def turn(engine: Engine, sid: str, **kw: object) -> tuple[list[int], dict]:
         if ev.finished:
             stats = asdict(ev.stats) if ev.stats else {}
     return ids, stats
+
+
+def http_get(url: str, timeout: float = 30) -> tuple[int, str]:
+    """(status, body) of a GET, errors included."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
 
 
 def free_port() -> int:

@@ -8,12 +8,10 @@ import json
 import re
 import shutil
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
-from engine_helpers import profile_for
+from engine_helpers import http_get, profile_for
 
 from hcache.client import Client
 from hcache.config import Config, EngineConfig, ServerConfig, StorageConfig
@@ -21,14 +19,6 @@ from hcache.server.app import start
 
 pytestmark = pytest.mark.model
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
-
-
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +44,7 @@ def test_metrics_health_readiness(live):
         c.reply(sid, "Bye!", max_new_tokens=4)
         with contextlib.suppress(Exception):
             c.get("nope")
-    status, text = get(f"{base}/metrics")
+    status, text = http_get(f"{base}/metrics")
     assert status == 200
     for name in (
         'hcache_restore_seconds_count{methods="KV",plan="RE 0 / H 0 / KV 30"}',
@@ -82,17 +72,17 @@ def test_metrics_health_readiness(live):
         'hcache_threads{pool="hcache-reader"}',
     ):
         assert name in text, name
-    assert get(f"{base}/healthz") == (200, "ok\n")
-    status, body = get(f"{base}/readyz")
+    assert http_get(f"{base}/healthz") == (200, "ok\n")
+    status, body = http_get(f"{base}/readyz")
     assert status == 200 and json.loads(body)["ready"]
     dirs = live.engine.store.dirs
     live.engine.store.dirs = [*dirs, Path("/nonexistent/hcache")]
     try:
-        status, body = get(f"{base}/readyz")
+        status, body = http_get(f"{base}/readyz")
         assert status == 503 and "/nonexistent/hcache not writable" in body
     finally:
         live.engine.store.dirs = dirs
-    assert get(f"{base}/static/../app.py")[0] == 404
+    assert http_get(f"{base}/static/../app.py")[0] == 404
 
 
 def test_dashboard_in_chromium(live):

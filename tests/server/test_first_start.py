@@ -10,11 +10,9 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import pytest
-from engine_helpers import free_port, profile_for
+from engine_helpers import free_port, http_get, profile_for
 
 from hcache.client import Client, wait_for_server
 from hcache.kernels.cpu import cpu
@@ -23,14 +21,6 @@ pytestmark = pytest.mark.model
 
 # generous for CI's slowest CPU kind; the decode step's compile alone, cold, takes minutes
 FIRST_START_S = 150
-
-
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
 
 
 def test_a_first_start_serves_while_the_decode_step_compiles(tmp_path, default_model):
@@ -52,8 +42,8 @@ def test_a_first_start_serves_while_the_decode_step_compiles(tmp_path, default_m
     try:
         wait_for_server(target, timeout=FIRST_START_S, alive=lambda: proc.poll() is None)
         took = time.monotonic() - t0
-        _, metrics = _get(f"http://127.0.0.1:{http}/metrics")
-        status, ready = _get(f"http://127.0.0.1:{http}/readyz")
+        _, metrics = http_get(f"http://127.0.0.1:{http}/metrics")
+        status, ready = http_get(f"http://127.0.0.1:{http}/readyz")
         with Client(target) as c:
             sid = c.create_session().session_id
             reply = c.reply(sid, "What is 2+2?", max_new_tokens=8)
