@@ -323,11 +323,18 @@ def machine() -> dict[str, Any]:
         for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
         if k in os.environ
     }
+    try:  # the instructions llama.cpp was built for (an AVX2-only build beside capped torch)
+        import llama_cpp
+
+        llama_isa = llama_cpp.llama_print_system_info().decode().strip()
+    except Exception:
+        llama_isa = "-"
     return {
         "cpu": cpu,
         "cpu_kind": kernels_cpu().kind,  # as hcache's kernels see it (capped by `caps`)
         "kernels": kernels_cpu().paths(),
         "caps": caps,
+        "llama_cpp_system": llama_isa,
         "cores": os.cpu_count(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "memory_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,

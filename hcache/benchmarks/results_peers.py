@@ -139,19 +139,65 @@ def _attention_kernels(peers: dict) -> list[str]:
     return [*out, ""]
 
 
+def _machine_line(peers: dict) -> str:
+    m = peers["machine"]
+    return (
+        f"{m['cpu']} (CPU kind {m.get('cpu_kind', 'not recorded')}"
+        + "".join(f", {k}={v}" for k, v in m.get("caps", {}).items())
+        + f"), {m['cores']} cores, {m['memory_gb']:.0f} GB; Python {m['python']}, torch {m['torch']}, "
+        f"llama-cpp-python {m['llama-cpp-python']}, transformers {m['transformers']}; run {m['date']}."
+    )
+
+
+def kind_section(peers: dict, name: str) -> list[str]:
+    """A peers run on another CPU kind (`bench/results/peers-<kind>.json`): its machine, the
+    TTFT and prefill row, decode, and the targets."""
+    rows, dec = peers["rows"], peers["decode"]
+    n = max(r["tokens"] for r in rows)
+    h = next((r for r in rows if r["system"] == "hcache" and r["tokens"] == n), {})
+    ll = next((r for r in rows if r["system"] == "llama.cpp" and r["tokens"] == n), {})
+    a, b = dec.get("hcache", {}), dec.get("llama.cpp", {})
+    big = max(peers["args"]["batches"])
+    return [
+        f"## CPU kind {peers['machine'].get('cpu_kind', name)} (`bench/results/{name}.json`)",
+        "",
+        _machine_line(peers),
+        "",
+        *(
+            [
+                "Emulated on the machine above: torch, inductor, oneDNN and MKL capped by the variables named, "
+                "hcache's probe with them, and llama.cpp built for "
+                f"`{peers['machine'].get('llama_cpp_system', 'what its build was given')}`.",
+                "",
+            ]
+            if peers["machine"].get("caps")
+            else []
+        ),
+        f"| {n} tokens | hcache | llama.cpp (same GGUF) |",
+        "|---|---:|---:|",
+        f"| prefill (ms) | {fmt(h.get('prefill_ms'))} | {fmt(ll.get('prefill_ms'))} |",
+        f"| KV restore / state load (ms) | {fmt(h.get('restore_kv_ms'))} | {fmt(ll.get('load_ms'))} |",
+        f"| 32-token turn after it (ms) | {fmt(h.get('turn_after_kv_ms'))} | {fmt(ll.get('turn_ms'))} |",
+        f"| TTFT after eviction (ms) | {fmt(h.get('ttft_after_eviction_ms'))} "
+        f"| {fmt(ll.get('ttft_after_eviction_ms'))} |",
+        f"| batch-1 TBT (ms) | {fmt(a.get('tbt_b1_ms'), 2)} | {fmt(b.get('tbt_b1_ms'), 2)} |",
+        f"| batch-{big} tokens/s | {fmt(a.get(f'tokens_per_s_b{big}'))} | {fmt(b.get(f'tokens_per_s_b{big}'))} |",
+        "",
+        *_targets(peers),
+        "",
+    ]
+
+
 def peers_section(peers: dict, bench_dir: Path) -> list[str]:
     """The peers benchmark's sections: machine, restore and TTFT rows, decode, targets,
     quality, attention and the plots."""
     lines: list[str] = []
-    m, hc = peers["machine"], peers["decode"].get("hcache", {})
+    hc = peers["decode"].get("hcache", {})
     lines += [
         "## Machine and versions",
         "",
-        f"{m['cpu']} (CPU kind {m.get('cpu_kind', 'not recorded')}"
-        + "".join(f", {k}={v}" for k, v in m.get("caps", {}).items())
-        + f"), {m['cores']} cores, {m['memory_gb']:.0f} GB; Python {m['python']}, torch {m['torch']}, "
-        f"llama-cpp-python {m['llama-cpp-python']}, transformers {m['transformers']}; run {m['date']}. "
-        f"hcache ran in {peers['args']['dtype']} with {hc.get('weights', peers['args'].get('weights'))} weights "
+        _machine_line(peers)
+        + f" hcache ran in {peers['args']['dtype']} with {hc.get('weights', peers['args'].get('weights'))} weights "
         f"and a {hc.get('kv_dtype', peers['args'].get('kv_dtype'))} KV cache on "
         f"{peers['args']['threads']} threads, its decode step compiled; "
         "llama.cpp the same GGUF "
