@@ -224,7 +224,9 @@ class EngineConfig:
         choices=("compiled", "eager"),
     )
     compile_in_background: bool = setting(
-        True, "on a CPU, serve with eager decode steps while the compiled step compiles (off: compile before serving)"
+        False,
+        "on a CPU, serve with eager decode steps while the compiled step compiles (a first start in about 90 s "
+        "instead of minutes; the step compiled so runs slower for now, README)",
     )
     piece_tokens: int = setting(512, "prefill runs in pieces of this many tokens")
     prefill_slice_ms: float = setting(25.0, "restore/prefill time per engine step while others decode")

@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 
 from hcache.benchmarks import report
-from hcache.benchmarks.serve import _free_port, cpu_name
+from hcache.benchmarks.serve import _free_port, cpu_name, wait_until_compiled
 from hcache.benchmarks.trace import WORDS, SessionPlan, make_trace, play
 from hcache.client import Client, wait_for_server
 
@@ -102,6 +102,7 @@ class Replica:
         self.target = f"127.0.0.1:{self.port}"
         try:
             wait_for_server(self.target, timeout=600, alive=lambda: self.proc.poll() is None)
+            wait_until_compiled(self.http)
         except RuntimeError:
             raise RuntimeError(f"replica {name} did not start; see {self.log}") from None
 

@@ -68,10 +68,10 @@ class Runner:
                 self._done()
 
         if self.cfg.compile_in_background and model.device.type == "cpu":
-            # one thread at a time computes with the full thread count (omp.py): this one
-            # compiles and runs its warm-up steps serially
+            # with the compute thread count: inductor writes its kernels' parallel loops for
+            # the count of the thread that compiles (a serial thread's kernels stay serial)
             def background() -> None:
-                omp.serial()
+                omp.use_compute_threads()
                 try:
                     compile_step()
                 except Exception:
