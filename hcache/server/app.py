@@ -32,7 +32,7 @@ from hcache.restore.profile import Profile
 from hcache.restore.projection import serve_compiled_only, warm_up
 from hcache.server.auth import AuthInterceptor, load_keys
 from hcache.server.http import SidePort
-from hcache.server.interceptors import CountingInterceptor, ParsingInterceptor
+from hcache.server.interceptors import CountingInterceptor, ErrorsInterceptor, ParsingInterceptor
 from hcache.server.metrics import Metrics
 from hcache.server.servicer import Servicer
 from hcache.storage.chunk_tier import ChunkTier
@@ -153,7 +153,7 @@ def start(cfg: Config, profile: Profile | None = None, loaded: LoadedModel | Non
     keys = load_keys(s.api_keys_file) if s.api_keys_file else None
     if keys:
         interceptors.append(AuthInterceptor(keys))
-    interceptors.append(ParsingInterceptor())
+    interceptors += [ParsingInterceptor(), ErrorsInterceptor()]
     handlers = futures.ThreadPoolExecutor(max_workers=s.workers, thread_name_prefix="hcache-grpc")
     server = grpc.server(handlers, interceptors=interceptors, options=opts)
     pb_grpc.add_HCacheServicer_to_server(Servicer(engine), server)

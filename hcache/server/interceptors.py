@@ -1,4 +1,5 @@
-"""gRPC server interceptors: count every RPC by method and final status code."""
+"""gRPC server interceptors: count every RPC by method and final status code, parse
+requests inside the call, and map what a method raises to its status (`errors.py`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+
+from hcache.server.errors import status_of
 
 
 def _code(ctx: grpc.ServicerContext, failed: bool) -> str:
@@ -87,4 +90,45 @@ class ParsingInterceptor(grpc.ServerInterceptor):
                 yield from inner_s(parsed(raw, ctx), ctx)
 
             return grpc.unary_stream_rpc_method_handler(stream, None, handler.response_serializer)
+        return handler
+
+
+class ErrorsInterceptor(grpc.ServerInterceptor):
+    """What a method raises ends its call with the error table's status and message
+    (`errors.status_of`): the servicer's methods just raise. Innermost, so that a status a
+    method or another interceptor already set (an abort) stands."""
+
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(details)
+        if handler is None:
+            return None
+
+        def abort(ctx: grpc.ServicerContext, e: Exception) -> None:
+            if ctx.code() not in (None, grpc.StatusCode.OK):  # aborted already: `abort` raised this
+                raise e
+            st = status_of(e)
+            ctx.abort(st.grpc, st.message)
+
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            def unary(req: Any, ctx: grpc.ServicerContext) -> Any:
+                try:
+                    return inner(req, ctx)
+                except Exception as e:
+                    abort(ctx, e)
+
+            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            inner_s = handler.unary_stream
+
+            def stream(req: Any, ctx: grpc.ServicerContext) -> Iterator[Any]:
+                try:
+                    yield from inner_s(req, ctx)
+                except Exception as e:
+                    abort(ctx, e)
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, handler.request_deserializer, handler.response_serializer
+            )
         return handler

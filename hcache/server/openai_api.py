@@ -30,24 +30,17 @@ from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
 from hcache.engine.engine import Engine
-from hcache.engine.errors import EngineError, InvalidArgument, Unavailable
+from hcache.engine.errors import InvalidArgument, Unavailable
 from hcache.engine.records import TurnStats
 from hcache.engine.sampler import SamplingParams
 from hcache.engine.sequence import Event, Sequence, Session
 from hcache.server.auth import digest
-from hcache.storage.errors import ClusterUnavailable, LeaseHeld, LeaseLost, StorageError, StorageFull, UnknownOwner
+from hcache.server.errors import status_of
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
 MAX_MESSAGES = 4096
 MAX_STOPS = 4  # OpenAI's limit
-HTTP_OF = {
-    "INVALID_ARGUMENT": 400,
-    "NOT_FOUND": 404,
-    "FAILED_PRECONDITION": 409,
-    "RESOURCE_EXHAUSTED": 429,
-    "UNAVAILABLE": 503,
-}
 TYPE_OF = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -67,22 +60,8 @@ def error_response(status: int, message: str, code: str | None = None, param: st
 def error_of(e: Exception) -> JSONResponse:
     if isinstance(e, ApiError):
         return error_response(e.status, str(e), e.code, e.param)
-    if isinstance(e, EngineError):
-        status = HTTP_OF.get(e.code, 500)
-        if status != 500:
-            return error_response(status, str(e), e.code.lower())
-    if isinstance(e, UnknownOwner):
-        return error_response(404, str(e), "not_found")
-    if isinstance(e, StorageFull):
-        return error_response(429, str(e), "storage_full")
-    if isinstance(e, (LeaseHeld, LeaseLost)):
-        return error_response(409, str(e), "session_leased")
-    if isinstance(e, ClusterUnavailable):
-        return error_response(503, str(e), "cluster_unavailable")
-    if isinstance(e, StorageError):
-        return error_response(409, str(e), "storage")
-    log.error("internal error", exc_info=e)
-    return error_response(500, "internal error; see the server log", "internal")
+    st = status_of(e)
+    return error_response(st.http, st.message, st.code)
 
 
 def validation_error(exc: RequestValidationError) -> JSONResponse:

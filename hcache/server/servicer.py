@@ -1,37 +1,24 @@
-"""The gRPC servicer: a thin translation between protobuf messages and the engine.
-Engine errors become status codes with their message; nothing else leaks out."""
+"""The gRPC servicer: a thin translation between protobuf messages and the engine. Its
+methods just raise: `ErrorsInterceptor` ends the call with the error table's status."""
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
 
 import grpc
 from google.protobuf import empty_pb2
 
 from hcache.engine.engine import Engine
-from hcache.engine.errors import EngineError, InvalidArgument
+from hcache.engine.errors import InvalidArgument
 from hcache.engine.records import EngineSnapshot, PlanSummary, RestoreResult, TurnStats
 from hcache.engine.sampler import SamplingParams
 from hcache.engine.sequence import Event, Session
 from hcache.restore.plan import Method
 from hcache.server.auth import tenant_var
-from hcache.storage.errors import (
-    ClusterUnavailable,
-    LeaseHeld,
-    LeaseLost,
-    StorageError,
-    StorageFull,
-    UnknownOwner,
-)
 from hcache.v1 import hcache_pb2 as pb
 from hcache.v1 import hcache_pb2_grpc as pb_grpc
 
-log = logging.getLogger(__name__)
-F = TypeVar("F", bound=Callable[..., Any])
 METHODS = {
     pb.RESTORE_METHOD_AUTO: None,
     pb.RESTORE_METHOD_HIDDEN: Method.HIDDEN,
@@ -39,40 +26,6 @@ METHODS = {
     pb.RESTORE_METHOD_RECOMPUTE: Method.RECOMPUTE,
 }
 MAX_PAGE = 1000
-
-
-def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
-    if isinstance(e, EngineError):
-        return getattr(grpc.StatusCode, e.code), str(e)
-    if isinstance(e, UnknownOwner):
-        return grpc.StatusCode.NOT_FOUND, str(e)
-    if isinstance(e, StorageFull):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
-    if isinstance(e, (LeaseHeld, LeaseLost)):  # another replica runs (or took over) the session
-        return grpc.StatusCode.ABORTED, str(e)
-    if isinstance(e, ClusterUnavailable):
-        return grpc.StatusCode.UNAVAILABLE, str(e)
-    if isinstance(e, StorageError):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(e)
-    return grpc.StatusCode.INTERNAL, "internal error; see the server log"
-
-
-def _abort(context: grpc.ServicerContext, e: Exception) -> None:
-    code, msg = status_of(e)
-    if code == grpc.StatusCode.INTERNAL:
-        log.exception("internal error", exc_info=e)
-    context.abort(code, msg)
-
-
-def rpc(fn: F) -> F:
-    @functools.wraps(fn)
-    def wrapped(self: Servicer, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return fn(self, request, context)
-        except Exception as e:
-            _abort(context, e)  # raises: grpc ends the call with the status
-
-    return wrapped  # type: ignore[return-value]
 
 
 # --- engine records -> protos, in one place ----------------------------------------
@@ -185,7 +138,6 @@ class Servicer(pb_grpc.HCacheServicer):
     def __init__(self, engine: Engine):
         self.engine = engine
 
-    @rpc
     def CreateSession(self, request: pb.CreateSessionRequest, context: grpc.ServicerContext) -> pb.Session:
         s = self.engine.create_session(
             request.system_prompt, list(request.context_ids), dict(request.labels), tenant_var.get()
@@ -193,40 +145,28 @@ class Servicer(pb_grpc.HCacheServicer):
         return session_pb(s)
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
-        try:
-            params, stops = sampling_of(request, self.engine.cfg.default_max_new_tokens)
-            ids = list(request.token_ids)
-            seq = self.engine.generate(request.session_id, request.message, ids, params, stops, tenant_var.get())
-        except Exception as e:
-            _abort(context, e)
-            return
+        params, stops = sampling_of(request, self.engine.cfg.default_max_new_tokens)
+        ids = list(request.token_ids)
+        seq = self.engine.generate(request.session_id, request.message, ids, params, stops, tenant_var.get())
         context.add_callback(lambda: self.engine.cancel(seq))  # runs when the client goes away, too
-        try:
-            for ev in self.engine.stream(seq):
-                yield event_pb(ev)
-        except Exception as e:
-            _abort(context, e)
+        for ev in self.engine.stream(seq):
+            yield event_pb(ev)
 
-    @rpc
     def RestoreSession(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.RestoreResponse:
         if request.method not in METHODS:
             raise InvalidArgument(f"unknown restore method {request.method}")
         return restore_pb(self.engine.restore(request.session_id, METHODS[request.method], tenant_var.get()))
 
-    @rpc
     def EvictSession(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.Session:
         return session_pb(self.engine.evict(request.session_id, tenant_var.get()))
 
-    @rpc
     def DeleteSession(self, request: pb.SessionRef, context: grpc.ServicerContext) -> empty_pb2.Empty:
         self.engine.delete(request.session_id, tenant_var.get())
         return empty_pb2.Empty()
 
-    @rpc
     def GetSession(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.Session:
         return session_pb(self.engine.get(request.session_id, tenant_var.get()))
 
-    @rpc
     def ListSessions(self, request: pb.ListSessionsRequest, context: grpc.ServicerContext) -> pb.ListSessionsResponse:
         size = min(request.page_size or 100, MAX_PAGE)
         sessions = self.engine.list(tenant=tenant_var.get())
@@ -238,13 +178,11 @@ class Servicer(pb_grpc.HCacheServicer):
             sessions=[session_pb(s) for s in page], next_page_token=page[-1].id if more else ""
         )
 
-    @rpc
     def PrecomputeContext(self, request: pb.PrecomputeContextRequest, context: grpc.ServicerContext) -> pb.Context:
         c = self.engine.precompute_context(
             request.text, list(request.token_ids), dict(request.labels), tenant_var.get()
         )
         return context_pb(c)
 
-    @rpc
     def GetStats(self, request: empty_pb2.Empty, context: grpc.ServicerContext) -> pb.Stats:
         return stats_pb(self.engine.snapshot())
