@@ -4,8 +4,10 @@ and the single-sequence reference it must match."""
 from __future__ import annotations
 
 import socket
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -116,3 +118,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until(cond: Callable[[], object], what: str, timeout: float = 60, every: float = 0.01) -> None:
+    """Poll `cond` until it holds; fail naming `what` after `timeout` seconds (generous: a
+    bound on a hang, never a claim about speed)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(every)

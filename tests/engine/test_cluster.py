@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import pytest
 from cluster_helpers import RedisCluster, redis_cluster, two_replicas  # noqa: F401 - a fixture
 from conftest import tload
-from engine_helpers import make_engine, reference, turn, word_tokenizer
+from engine_helpers import make_engine, reference, turn, wait_until, word_tokenizer
 
 from hcache.engine.cluster import ClusterLink
 from hcache.engine.errors import FailedPrecondition, NotFound
 from hcache.engine.sampler import SamplingParams
 from hcache.storage.errors import ClusterUnavailable, LeaseHeld, LeaseLost
-from hcache.storage.redis_catalogue import RedisCatalogue
+from hcache.storage.redis_catalogue import RedisCatalogue, keys
 
 TTL_MS = 1500
 P = SamplingParams(max_new_tokens=5)
@@ -120,7 +119,8 @@ def test_a_dead_owners_lease_expires_and_its_late_commit_is_refused(model, pair)
         a.cluster._held.clear()
     with pytest.raises(LeaseHeld, match="replica-a"):
         b.generate(s.id, token_ids=ids(rng, 4), params=P)
-    time.sleep(TTL_MS * 1.3 / 1e3)
+    lease_key = keys(s.id)[1]
+    wait_until(lambda: not b.cluster.cat.r.exists(lease_key), "the dead owner's lease to expire")
     h.run(b, s.id, ids(rng, 4))  # from the last acknowledged turn, exactly
     assert b.cluster.counters.takeovers == 1
     with pytest.raises(LeaseLost, match="taken over"):

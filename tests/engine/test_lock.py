@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+from engine_helpers import wait_until
+
 from hcache.engine.lock import EngineLock
 
 
@@ -66,12 +68,14 @@ def test_callers_back_to_back_do_not_hold_the_loop_up() -> None:
     threads = [threading.Thread(target=caller) for _ in range(3)] + [threading.Thread(target=loop)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
-    stop.set()
-    for t in threads:
-        t.join()
-    # the loop lets through the callers that had come when it asked, not every later one
-    assert steps[0] >= 20, steps
+    try:
+        # the loop lets through the callers that had come when it asked, not every later one:
+        # it keeps stepping (with a plain lock three callers back to back starve it)
+        wait_until(lambda: steps[0] >= 20, "the loop to make 20 steps among callers back to back", timeout=30)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
 
 
 def test_the_lock_is_reentrant_and_serves_a_condition() -> None:

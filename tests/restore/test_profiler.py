@@ -4,6 +4,7 @@ benchmark relies on."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -45,23 +46,29 @@ def test_profile_measures_and_is_cached(tiny_folder, tmp_path) -> None:
     assert Profile.load(path).re_points == prof.re_points
 
 
+def slow_clock(monkeypatch: pytest.MonkeyPatch, source: type, seconds: float) -> None:
+    """Each read plan's preparation costs `seconds` more, on a clock the test moves: every
+    `time.perf_counter` reading after it is that much later (no sleep, so the cost is exact)."""
+    real, shift = time.perf_counter, [0.0]
+    prepare = source.prepare
+
+    def slower(self, plan) -> None:
+        shift[0] += seconds
+        prepare(self, plan)
+
+    monkeypatch.setattr(time, "perf_counter", lambda: real() + shift[0])
+    monkeypatch.setattr(source, "prepare", slower)
+
+
 def test_profile_measures_what_reads_take_from_compute(tiny_folder, tmp_path, monkeypatch) -> None:
     """Planning reads on the compute thread is a cost the mixed-restore measurement must see:
     slowed by 80 ms here, it is found as a fixed setup cost, not spread per MB."""
-    import time
-
     from hcache.restore.sources import StoreSource
 
     model = tload(tiny_folder("llama_gqa"))
     plain = profiler.run(model, [tmp_path], show=False, re_contexts=(256,), reads_vs_compute=True)
     assert set(plain.meta["reads_vs_compute"]) and len(plain.meta["reads_vs_compute"]) == 2
-    prepare = StoreSource.prepare
-
-    def slow_prepare(self, plan) -> None:
-        time.sleep(0.08)
-        prepare(self, plan)
-
-    monkeypatch.setattr(StoreSource, "prepare", slow_prepare)
+    slow_clock(monkeypatch, StoreSource, 0.08)
     slow = profiler.run(model, [tmp_path], show=False, re_contexts=(256,), reads_vs_compute=True)
     assert 50 <= slow.read_setup_ms - plain.read_setup_ms <= 120
 
@@ -69,21 +76,13 @@ def test_profile_measures_what_reads_take_from_compute(tiny_folder, tmp_path, mo
 def test_profile_measures_recompute_beside_reads(tiny_folder, tmp_path, monkeypatch) -> None:
     """On a CPU the profile measures how much slower a recompute prefix runs inside a restore
     that reads the other layers; a prefix slowed there by 40 ms per restore is seen."""
-    import time
-
     from hcache.restore.sources import StoreSource
 
     model = tload(tiny_folder("llama_gqa"))
     if model.device.type != "cpu":
         pytest.skip("measured on CPUs only")
     plain = profiler._io(model, [tmp_path], 256, compute=(256,)).re_reading[256]
-    prepare = StoreSource.prepare
-
-    def slow_prepare(self, plan) -> None:
-        time.sleep(0.04)
-        prepare(self, plan)
-
-    monkeypatch.setattr(StoreSource, "prepare", slow_prepare)
+    slow_clock(monkeypatch, StoreSource, 0.04)
     slowed = profiler._io(model, [tmp_path], 256, compute=(256,)).re_reading[256]
     assert plain >= 1.0 and slowed > plain + 0.5
 

@@ -504,8 +504,10 @@ def test_read_ahead_covers_prefetch_bytes_past_the_consumer(dirs) -> None:
             time.sleep(0.01)
     with open_store(dirs[:1], prefetch_layers=1, prefetch_bytes=0) as st:
         r = st.reader("o")
-        time.sleep(0.3)
-        assert not r.slots[(GEOM.num_layers - 1, Kind.KV)].ready.is_set()  # one layer ahead, no more
+        assert r.wait(0, Kind.KV, timeout=30)
+        # one layer ahead, no more: requests for the later layers wait for the consumer
+        assert r._next is not None and r._next.min_layer <= GEOM.num_layers - 1
+        assert not r.ready(GEOM.num_layers - 1, Kind.KV)
 
 
 def test_read_buffers_are_reused_by_the_next_restore(dirs) -> None:
