@@ -18,7 +18,6 @@ from hcache.engine.cluster_chunks import ClusterChunks
 from hcache.engine.cluster_turns import ClusterTurns
 from hcache.engine.errors import FailedPrecondition, InvalidArgument, Unavailable
 from hcache.engine.finisher import Finisher
-from hcache.engine.generate import common_prefix
 from hcache.engine.lock import EngineLock
 from hcache.engine.loop import Loop
 from hcache.engine.reclaimer import Reclaimer
@@ -35,6 +34,7 @@ from hcache.model.tokenizer import Tokenizer
 from hcache.restore.plan import Method
 from hcache.restore.profile import Profile
 from hcache.storage.layout import CHUNK_TOKENS
+from hcache.storage.prefixes import common_prefix
 from hcache.storage.store import ChunkStore
 
 log = logging.getLogger(__name__)

@@ -15,6 +15,7 @@ from hcache.model.tokenizer import Tokenizer
 from hcache.restore.executor import RestoreReport, restore
 from hcache.restore.plan import Plan
 from hcache.restore.state import MemoryState, Recorder, StateSource
+from hcache.storage.prefixes import common_prefix
 
 
 def generate(
@@ -46,15 +47,6 @@ def generate(
         if token in stop_ids or step == params.max_new_tokens - 1:
             return
         ids = [token]
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class ChatSession:

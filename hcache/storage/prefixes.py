@@ -19,3 +19,13 @@ def prefix_hashes(tokens: list[int], namespace: str) -> list[bytes]:
         h = hashlib.blake2b(h + array("i", tokens[end - CHUNK_TOKENS : end]).tobytes(), digest_size=16).digest()
         out.append(h)
     return out
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

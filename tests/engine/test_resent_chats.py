@@ -9,9 +9,9 @@ import pytest
 from engine_helpers import make_engine, turn
 
 from hcache.engine.errors import InvalidArgument
-from hcache.engine.generate import common_prefix
 from hcache.engine.sampler import SamplingParams
 from hcache.storage.layout import CHUNK_TOKENS
+from hcache.storage.prefixes import common_prefix
 
 pytestmark = pytest.mark.model
 SYSTEM = (
