@@ -47,8 +47,8 @@ def copy_serial(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """`dst[...] = src` for a storage thread, outside torch's parallel regions (numpy copies
     the bytes). `serial()` is not enough there: a thread's first parallel torch op adopts
     the thread count another thread set last, starts a second team of every core, and
-    from then on every parallel op of the compute thread runs slower (a batch-1 decode
-    step 2.6x)."""
+    from then on every parallel op of the compute thread runs slower (a decode step
+    several times)."""
     if dst.device.type != "cpu" or src.device.type != "cpu" or dst.dtype != src.dtype or dst.shape != src.shape:
         return dst.copy_(src)
     np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())

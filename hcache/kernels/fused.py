@@ -2,13 +2,12 @@
 
 In eager PyTorch both are chains of elementwise ops (RMSNorm: to float32, square,
 mean, scale, back to the model dtype, weight; RoPE: four products and two sums),
-each a full pass over memory: on the 2-core VM they were three quarters of the H
-restore path's compute and grew faster than the rows past the caches. On CPUs
+each a full pass over memory: most of the H restore path's compute on a CPU, growing
+faster than the rows once they outgrow the caches. On CPUs
 `torch.compile` (inductor's C++ kernels) fuses each chain into one loop with the
 eager roundings (`emulate_precision_casts`): RoPE comes out bit-identical, RMSNorm
 differs only by the order of its float32 sum (a few elements in a million, by one
-unit in the last place). Measured on the multi-head default model on an AMD EPYC, an
-H-only restore's compute per layer: 8.1 -> 5.7 ms at 4K tokens, 40.8 -> 20.4 ms at 16K.
+unit in the last place).
 Each compiled kernel is timed against its eager form once per process and the faster
 one runs from then on: a compiled kernel can be slower (see `_Compiled`).
 

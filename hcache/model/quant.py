@@ -155,8 +155,8 @@ def int8_rows_mm(x: torch.Tensor, handle: int) -> torch.Tensor:
     on its own (so a row's result never depends on the others in the batch), in two passes:
     the row at its own scale, then what that left over at the remainder's scale (two passes
     of `bits`-bit values, sign included: about 15 bits at 8, 13 at 7, where one 8-bit pass
-    moved the shipped text's perplexity by 0.3%). Both passes go in one call: it costs about
-    the same at 2 rows as at 1. The integer sums are exact and the activation scale is 1, so
+    moved the shipped text's perplexity measurably). Both passes go in one call, which
+    costs about what one pass does. The integer sums are exact and the activation scale is 1, so
     each output is `sum * row_scale`, rounded once. Activations go in unsigned around a zero
     point: VNNI multiplies only unsigned by signed bytes (oneDNN ran signed activations on a
     reference path), and without VNNI the pair sums saturate past 16 bits unless the
