@@ -73,12 +73,14 @@ def load(name: str = "default", dtype: str = "float32", device: str = "cpu", wei
     if weights not in ("auto", "float") and torch.device(device).type != "cpu":
         raise ValueError(f"--weights {weights} runs on CPUs (got {device})")
     path = resolve_model_path(name)
+    # parsed once: a GGUF file's header (its vocabulary, element by element) takes seconds
+    reader = _gguf_reader(path) if path.suffix == ".gguf" else None
     if weights == "auto":
-        weights = auto_weights(path, device)
+        weights = auto_weights(path, device, reader)
     if path.is_dir():
         model, tok = _load_hf(path, weights)
-    elif path.suffix == ".gguf":
-        model, tok = _load_gguf(path, weights)
+    elif reader is not None:
+        model, tok = _load_gguf(reader, weights)
     else:
         raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face folder")
     model = model.to(device=device, dtype=DTYPES[dtype]).eval()
@@ -90,14 +92,15 @@ def load(name: str = "default", dtype: str = "float32", device: str = "cpu", wei
     return LoadedModel(model, tok, path)
 
 
-def auto_weights(path: Path, device: str = "cpu") -> str:
+def auto_weights(path: Path, device: str = "cpu", reader: GGUFReader | None = None) -> str:
     """int4 on a CPU when every linear layer of a GGUF file is Q4_1: the kernel then runs the
-    file's own blocks, and nothing is quantized that the file did not; float otherwise."""
+    file's own blocks, and nothing is quantized that the file did not; float otherwise.
+    `reader`: the file, already open."""
     if torch.device(device).type != "cpu" or path.suffix != ".gguf":
         return "float"
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
 
-    linears = [t for t in GGUFReader(str(path)).tensors if _GGUF_LINEAR.fullmatch(t.name)]
+    linears = [t for t in (reader or _gguf_reader(path)).tensors if _GGUF_LINEAR.fullmatch(t.name)]
     return "int4" if linears and all(t.tensor_type == GGMLQuantizationType.Q4_1 for t in linears) else "float"
 
 
@@ -282,11 +285,16 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: Path, weights: str = "float") -> tuple[DecoderModel, Tokenizer]:
-    from gguf import GGMLQuantizationType, GGUFReader
+def _gguf_reader(path: Path) -> GGUFReader:
+    from gguf import GGUFReader
+
+    return GGUFReader(str(path))
+
+
+def _load_gguf(reader: GGUFReader, weights: str = "float") -> tuple[DecoderModel, Tokenizer]:
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
     fields = read_gguf_fields(reader)
     arch = fields.get("general.architecture")
     if arch not in GGUF_ARCHS:
