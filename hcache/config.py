@@ -224,9 +224,9 @@ class EngineConfig:
         choices=("compiled", "eager"),
     )
     compile_in_background: bool = setting(
-        False,
-        "on a CPU, serve with eager decode steps while the compiled step compiles (a first start in about 90 s "
-        "instead of minutes; the step compiled so runs slower for now, README)",
+        True,
+        "on a CPU, serve with eager decode steps while the compiled step compiles on a thread of its own "
+        "(/readyz is 503 until it serves); off: compile before serving",
     )
     piece_tokens: int = setting(512, "prefill runs in pieces of this many tokens")
     prefill_slice_ms: float = setting(25.0, "restore/prefill time per engine step while others decode")

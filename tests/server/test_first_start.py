@@ -35,7 +35,8 @@ def test_a_first_start_serves_while_the_decode_step_compiles(tmp_path, default_m
         "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"),
     }
     cmd = [sys.executable, "-m", "hcache.cli", "serve", "--port", str(port), "--http-port", str(http)]
-    cmd += ["--profile", str(prof), "--dirs", str(tmp_path / "d0"), "--kv-budget-mb", "128", "--compile-in-background"]
+    # the default start: the decode step compiles in the background
+    cmd += ["--profile", str(prof), "--dirs", str(tmp_path / "d0"), "--kv-budget-mb", "128"]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     target = f"127.0.0.1:{port}"
