@@ -15,12 +15,14 @@ import torch
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
+from hcache.cluster.link import ClusterLink
+from hcache.cluster.sharing import ClusterSharing
 from hcache.config import EngineConfig, StorageConfig
 from hcache.engine.block_pool import resident_kv_dtype
-from hcache.engine.cluster import ClusterLink
 from hcache.engine.engine import Engine
 from hcache.engine.generate import generate
 from hcache.engine.sampler import SamplingParams
+from hcache.engine.sharing import Sharing
 from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
 from hcache.model.tokenizer import Tokenizer
@@ -45,8 +47,10 @@ def make_engine(
     dirs: list[Path],
     storage: dict | None = None,
     cluster: ClusterLink | None = None,
+    sharing: Sharing | None = None,
     **cfg: object,
 ) -> tuple[Engine, ChunkStore]:
+    """An engine on a fresh store in `dirs`; `cluster`: shared through that link, or `sharing`."""
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
     kv_dtype = resident_kv_dtype(str(cfg.get("kv_dtype", "auto")), model)
@@ -54,7 +58,8 @@ def make_engine(
         StorageConfig([str(d) for d in dirs], **(storage or {})), model.cfg, model.dtype, str(model.device), kv_dtype
     )
     ecfg = EngineConfig(**{"store_kinds": "both", "kv_budget_bytes": 64 << 20, "compile_in_background": False, **cfg})  # type: ignore[arg-type]
-    return Engine(model, tok, store, profile_for(model), ecfg, cluster=cluster), store
+    sharing = ClusterSharing(cluster) if cluster is not None else sharing
+    return Engine(model, tok, store, profile_for(model), ecfg, sharing=sharing), store
 
 
 def reference(

@@ -19,10 +19,10 @@ from cluster_helpers import RedisCluster, cluster_ports
 
 from hcache import config
 from hcache.cli import parser
+from hcache.cluster.catalogue import RedisCatalogue, parse_url
 from hcache.server.http import build_app
 from hcache.server.metrics import Metrics
 from hcache.storage.catalogue import Record
-from hcache.storage.redis_catalogue import RedisCatalogue, parse_url
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 COMPOSE = DEPLOY / "compose.yaml"

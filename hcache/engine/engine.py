@@ -1,7 +1,7 @@
 """The serving engine: the public calls, and one loop thread (loop.py) that runs
 continuous batching. A finished turn becomes durable off the loop thread. Everything that
-changes sessions, queues or the pool happens under `self.lock`. Cluster mode's leases,
-adoptions and fetches are in cluster_turns.py."""
+changes sessions, queues or the pool happens under `self.lock`. What happens beyond this
+process (cluster mode's leases, adoptions and fetches) is `self.sharing`'s (sharing.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,6 @@ from collections.abc import Iterator
 from hcache.config import EngineConfig
 from hcache.engine import checks, heap
 from hcache.engine.block_pool import BlockPool, resident_kv_dtype
-from hcache.engine.cluster import ClusterLink
-from hcache.engine.cluster_chunks import ClusterChunks
-from hcache.engine.cluster_turns import ClusterTurns
 from hcache.engine.errors import FailedPrecondition, InvalidArgument, Unavailable
 from hcache.engine.finisher import Finisher
 from hcache.engine.lock import EngineLock
@@ -27,6 +24,7 @@ from hcache.engine.sampler import SamplingParams
 from hcache.engine.scheduler import Scheduler
 from hcache.engine.sequence import Event, EventSink, Sequence, Session, TextStream
 from hcache.engine.sessions import Registry, layer_kinds_for
+from hcache.engine.sharing import Sharing, Solo
 from hcache.engine.telemetry import Telemetry
 from hcache.model.base import DecoderModel
 from hcache.model.decode import BLOCK_TOKENS
@@ -40,7 +38,7 @@ from hcache.storage.store import ChunkStore
 log = logging.getLogger(__name__)
 
 
-class Engine(ClusterTurns):
+class Engine:
     def __init__(
         self,
         model: DecoderModel,
@@ -50,11 +48,12 @@ class Engine(ClusterTurns):
         cfg: EngineConfig | None = None,
         model_name: str = "",
         telemetry: Telemetry | None = None,
-        cluster: ClusterLink | None = None,
+        sharing: Sharing | None = None,
     ):
-        """`cluster`: sessions live in a shared catalogue (`--cluster`); the store caches them."""
+        """`sharing`: where sessions live besides here (`Solo`: nowhere; `sharing_for` makes
+        the cluster's with `--cluster`, where the store caches them)."""
         self.model, self.tok, self.store, self.profile = model, tokenizer, store, profile
-        self.cluster = cluster
+        self.sharing = sharing or Solo()
         self.cfg = cfg or EngineConfig()
         self.model_name = model_name
         self.telemetry = telemetry or Telemetry()
@@ -78,16 +77,7 @@ class Engine(ClusterTurns):
         self.runner = Runner(model, store, self.cfg)
         self.runner.warm(self.pool)
         self._wake = threading.Event()
-        self.chunks: ClusterChunks | None = None
-        if cluster is not None and cluster.tier is not None:
-            per_token = self.registry.bytes_per_token()
-            self.chunks = ClusterChunks(store, cluster.tier, profile, mc.num_layers, per_token, cluster.chunk_policy)
-            cluster.chunk_stats = self.chunks.stats
-        self.finisher = Finisher(
-            store, self.scheduler, self.lock, tokenizer.decode, self._turn_ended, cluster,
-            self.chunks.after_turn if self.chunks else None,
-        )  # fmt: skip
-        self._adopting = threading.Lock()  # one context recomputed from the cluster at a time
+        self.finisher = Finisher(store, self.scheduler, self.lock, tokenizer.decode, self._turn_ended, self.sharing)
         self.settled = threading.Condition(self.lock)  # a session the reclaimer held is free again
         self.reclaimer = Reclaimer(
             store, self.registry, self.lock, self.settled, self.cfg, self.counters,
@@ -96,8 +86,9 @@ class Engine(ClusterTurns):
         self.draining = False
         self.loop = Loop(
             store, profile, self.registry, self.scheduler, self.runner, self.finisher, self.reclaimer,
-            self.chunks, self.counters, self.telemetry, self.lock, self._wake, model.device,
+            self.sharing, self.counters, self.telemetry, self.lock, self._wake, model.device,
         )  # fmt: skip
+        self.sharing.attach(self)
         heap.freeze()  # the model, compiled kernels and this engine: no full collection walks them
         if not self.runner.compiled.is_set():  # and the compiled step, once compiled
             self.runner.after_compiled(heap.freeze)
@@ -116,14 +107,11 @@ class Engine(ClusterTurns):
         self._check_open()
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         messages += checks.history(history or [])
-        if self.cluster is not None:
-            for c in context_ids or []:
-                self._ensure_context(c, tenant)
+        self.sharing.before_create(list(context_ids or []), tenant)
         with self.lock:
             checks.session_limit(self.registry.sessions.values(), tenant, self.cfg.max_sessions_per_tenant)
             s = self.registry.create("session", dict(labels or {}), list(context_ids or []), messages, tenant)
-        if self.cluster is not None:
-            self._publish(s)
+        self.sharing.created(s)
         return s
 
     def continue_chat(self, messages: list[dict[str, str]], tenant: str | None = None) -> tuple[Session, int]:
@@ -153,8 +141,7 @@ class Engine(ClusterTurns):
                     s.cache, parent.cache = parent.cache, None
                     s.cache.truncate(shared)
                     self.counters.kv_handovers += 1
-        if self.cluster is not None:
-            self._publish(s)
+        self.sharing.created(s)
         return s, shared
 
     def precompute_context(
@@ -177,17 +164,14 @@ class Engine(ClusterTurns):
             self._check_storage(tenant, len(ids))
             ctx = self.registry.create("context", dict(labels or {}), [], [], tenant)
             ctx.busy = True
-        seq = self._sequence(ctx, ids, 0, SamplingParams(max_new_tokens=1), [], sample=False)
-        if self.cluster is not None:
-            try:
-                self._publish(ctx)
-                seq.lease, _ = self.cluster.lease(ctx.id)
-            except BaseException:
-                with self.lock:
-                    ctx.busy = False
-                raise
-        self._submit(seq)
-        self._wait(seq)
+        seq = self.sequence(ctx, ids, 0, SamplingParams(max_new_tokens=1), [], sample=False)
+        try:
+            seq.lease = self.sharing.lease_context(ctx)
+        except BaseException:
+            with self.lock:
+                ctx.busy = False
+            raise
+        self.compute(seq)
         return ctx
 
     def generate(
@@ -209,14 +193,12 @@ class Engine(ClusterTurns):
         cap = self.model.cfg.max_position
         checks.sampling(params, stops, cap)
         checks.exactly_one(message, token_ids, "a turn is a non-empty message or a list of token_ids (exactly one)")
-        lease = None
-        if self.cluster is not None:
-            lease = self._lease(session_id, tenant, fetch=True)
+        lease = self.sharing.lease_turn(session_id, tenant)
         try:
             seq = self._queue_turn(session_id, message, token_ids, params, stops, tenant, events)
         except BaseException:
             if lease is not None:
-                self._turn_refused(session_id, lease)
+                self.sharing.turn_refused(session_id, lease)
             raise
         seq.lease = lease
         self._submit(seq)
@@ -252,16 +234,13 @@ class Engine(ClusterTurns):
             if keep < s.base:
                 raise FailedPrecondition(f"session {session_id} no longer starts with its context")
             self._check_storage(tenant, len(ids) - len(s.tokens) + params.max_new_tokens)
-            seq = self._sequence(s, ids[keep:], keep, params, stops, sample=True)
+            seq = self.sequence(s, ids[keep:], keep, params, stops, sample=True)
             seq.user_message = message or None
             if events is not None:
                 seq.events = events  # type: ignore[assignment]
             if self.cfg.restore_method != "auto":
                 seq.restore_method = Method(self.cfg.restore_method)
-            if self.cluster is not None and s.history is not None:  # turns run elsewhere, recomputed here
-                lacking = max(0, len(s.history) - keep)
-                self.cluster.counters.recomputed_tokens += lacking
-                self.cluster.counters.recomputes += lacking > 0
+            self.sharing.turn_queued(s, keep)
             s.mode = mode
             s.busy = True
         return seq
@@ -277,11 +256,10 @@ class Engine(ClusterTurns):
             if not s.tokens:
                 return RestoreResult(already_resident=s.resident)
             self.scheduler.evict(s)
-            seq = self._sequence(s, [], len(s.tokens), SamplingParams(max_new_tokens=1), [], sample=False)
+            seq = self.sequence(s, [], len(s.tokens), SamplingParams(max_new_tokens=1), [], sample=False)
             seq.restore_method, seq.restore_only = method, True
             s.busy = True
-        self._submit(seq)
-        self._wait(seq)
+        self.compute(seq)
         assert seq.restored is not None
         return seq.restored
 
@@ -294,8 +272,7 @@ class Engine(ClusterTurns):
 
     def delete(self, session_id: str, tenant: str | None = None) -> None:
         """Delete a session, or a context no session uses (here; in cluster mode, anywhere)."""
-        if self.cluster is not None:
-            self._delete_in_cluster(session_id, tenant)
+        self.sharing.before_delete(session_id, tenant)
         with self.lock:
             s = self.registry.sessions.get(session_id)
             kind = s.kind if s is not None else "session"
@@ -305,14 +282,9 @@ class Engine(ClusterTurns):
             self.registry.delete(s)
 
     def get(self, session_id: str, tenant: str | None = None) -> Session:
-        if self.cluster is not None:  # the cluster's word on its turns, even if this replica never ran one
-            rec = self._record(session_id, tenant)
-            with self.lock:
-                s = self.registry.sessions.get(session_id)
-                if s is None or s.kind != "session":
-                    return self._view(rec)
-                self.registry.refresh(s, rec)
-                return s
+        shared = self.sharing.get(session_id, tenant)
+        if shared is not None:
+            return shared
         with self.lock:
             return self.registry.get(session_id, tenant=tenant)
 
@@ -350,10 +322,7 @@ class Engine(ClusterTurns):
         self.reclaimer.close()
         self.loop.stop()
         self.finisher.close()
-        if self.chunks is not None:
-            self.chunks.close()
-        if self.cluster is not None:
-            self.cluster.close()
+        self.sharing.close()
         heap.thaw()
 
     def snapshot(self) -> EngineSnapshot:
@@ -362,7 +331,7 @@ class Engine(ClusterTurns):
         with self.lock:
             return EngineSnapshot.of(
                 self.model_name, self.draining, self.counters, self.scheduler, self.registry, self.pool, storage,
-                self.cluster.state() if self.cluster is not None else None,
+                self.sharing.state(),
             )  # fmt: skip
 
     # --- helpers -------------------------------------------------------------------
@@ -379,7 +348,7 @@ class Engine(ClusterTurns):
         owners, limit = self.registry.sessions.values(), self.cfg.max_storage_bytes_per_tenant
         checks.storage_quota(owners, tenant, more_tokens, self.registry.bytes_per_token(), limit)
 
-    def _sequence(
+    def sequence(
         self, s: Session, new: list[int], keep: int, params: SamplingParams, stops: list[str], sample: bool
     ) -> Sequence:
         stop_ids = set() if params.ignore_eos else set(self.tok.stop_ids)
@@ -393,7 +362,9 @@ class Engine(ClusterTurns):
             self.scheduler.add(seq)
         self._wake.set()
 
-    def _wait(self, seq: Sequence) -> None:
+    def compute(self, seq: Sequence) -> None:
+        """Run a sequence that samples nothing (a restore, a context) to its end."""
+        self._submit(seq)
         seq.done.wait()
         if seq.error is not None:
             raise seq.error

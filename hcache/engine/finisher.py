@@ -1,6 +1,6 @@
 """How a request ends. A finished turn becomes durable off the loop thread (the
-manifest commit waits for its chunks; in cluster mode the cluster's record is committed
-next, under the turn's lease), then its stream's last event goes out and the session takes
+manifest commit waits for its chunks; then `Sharing.commit`, in cluster mode the cluster's
+record under the turn's lease), then its stream's last event goes out and the session takes
 requests again; a failed one takes the session back to its last durable turn, which is
 what the store holds."""
 
@@ -11,12 +11,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from hcache.engine.cluster import ClusterLink
 from hcache.engine.errors import EngineError, ResourceExhausted
 from hcache.engine.lock import EngineLock
 from hcache.engine.records import SessionMeta
 from hcache.engine.scheduler import Scheduler
 from hcache.engine.sequence import Event, Phase, Sequence
+from hcache.engine.sharing import Sharing
 from hcache.storage.errors import StorageError, StorageFull
 from hcache.storage.store import ChunkStore
 
@@ -34,12 +34,10 @@ class Finisher:
         lock: EngineLock,
         decode: Callable[[list[int]], str],
         wake: Callable[[], None],
-        cluster: ClusterLink | None = None,
-        committed: Callable[[str, list[int], int], None] | None = None,
+        sharing: Sharing,
     ):
-        """`committed(owner, own tokens, first new one)`: a turn was acknowledged (cluster mode)."""
         self.store, self.scheduler, self.lock, self.decode, self.wake = store, scheduler, lock, decode, wake
-        self.cluster, self.committed = cluster, committed
+        self.sharing = sharing
         self._pool = ThreadPoolExecutor(max_workers=DURABLE_THREADS, thread_name_prefix="hcache-durable")
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -70,18 +68,12 @@ class Finisher:
                 else EngineError(f"the turn could not be saved: {e}"),
             )
             return
-        if seq.lease is not None and self.cluster is not None:
-            try:
-                self.cluster.commit(seq.lease, tokens, meta)
-            except StorageError as e:  # ABORTED (taken over) or UNAVAILABLE: not acknowledged
-                log.error("turn of %s not committed to the cluster: %s", s.id, e)
-                self.fail(seq, e)
-                return
-            self.cluster.release(seq.lease)
-            seq.lease = None
-            if self.committed is not None:
-                # a first turn uploads every chunk: a fork's shared ones are its own in the cluster
-                self.committed(s.id, tokens, 0 if s.turns <= 1 else seq.keep - s.base)
+        try:
+            self.sharing.commit(seq, tokens, meta)
+        except StorageError as e:  # ABORTED (taken over) or UNAVAILABLE: not acknowledged
+            log.error("turn of %s not committed to the cluster: %s", s.id, e)
+            self.fail(seq, e)
+            return
         with self.lock:
             s.history = None
             s.busy = False
@@ -102,8 +94,8 @@ class Finisher:
                 seq.session.drop_fetched()  # (rows are staged only once the job runs)
             seq.phase = Phase.FINISHED
             seq.session.busy = False
-        if seq.lease is not None and self.cluster is not None:
-            self._pool.submit(self.cluster.release, seq.lease)  # a network call: never under the lock
+        if seq.lease is not None:
+            self._pool.submit(self.sharing.release, seq.lease)  # a network call: never under the lock
             seq.lease = None
         seq.error = err
         seq.events.put(Event(error=err))

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from hcache import omp
-from hcache.engine.cluster_chunks import ClusterChunks
 from hcache.engine.errors import EngineError, FailedPrecondition, ResourceExhausted
 from hcache.engine.finisher import Finisher
 from hcache.engine.lock import EngineLock
@@ -23,6 +22,7 @@ from hcache.engine.runner import Runner
 from hcache.engine.scheduler import Scheduler
 from hcache.engine.sequence import Sequence
 from hcache.engine.sessions import Registry
+from hcache.engine.sharing import Sharing
 from hcache.engine.telemetry import Telemetry
 from hcache.malloc import trim_when_idle
 from hcache.restore.plan import Method
@@ -45,7 +45,7 @@ class Loop:
     runner: Runner
     finisher: Finisher
     reclaimer: Reclaimer
-    chunks: ClusterChunks | None
+    sharing: Sharing
     counters: Counters
     telemetry: Telemetry
     lock: EngineLock
@@ -135,8 +135,8 @@ class Loop:
             if fetched is None:
                 self.store.truncate(s.id, seq.keep - s.base)
             del s.tokens[seq.keep :]
-        if fetched is not None and self.chunks is not None:
-            self.chunks.used(fetched)
+        if fetched is not None:
+            self.sharing.used(fetched)
         if plan is not None:
             source = self.registry.source(s, seq.keep, fetched)
             seq.plan = plan

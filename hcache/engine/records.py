@@ -17,11 +17,55 @@ RECENT_SESSIONS = 200  # rows of the dashboard's session table
 
 if TYPE_CHECKING:
     from hcache.engine.block_pool import BlockPool
-    from hcache.engine.cluster import ClusterState
     from hcache.engine.scheduler import Scheduler
     from hcache.engine.sequence import Session
     from hcache.engine.sessions import Registry
     from hcache.storage.store import ChunkStore
+
+
+@dataclass(frozen=True)
+class ChunkStats:
+    """Chunk traffic both ways: fetched before turns, uploaded behind them."""
+
+    fetches: int
+    tokens: int
+    bytes_read: int
+    misses: int
+    skipped: int
+    failed: int
+    read_gbps: float
+    uploaded_chunks: int
+    uploaded_bytes: int
+    upload_drops: int
+    upload_failures: int
+
+
+@dataclass
+class ClusterCounters:
+    """Totals since the engine started."""
+
+    commits: int = 0  # turns acknowledged after their record was committed
+    lease_conflicts: int = 0  # turns refused: another replica held the session
+    takeovers: int = 0  # leases taken after their holder let them expire (it died)
+    refused_commits: int = 0  # late commits the epoch fenced off
+    errors: int = 0  # calls that could not reach the cluster
+    adoptions: int = 0  # sessions this replica first saw in the cluster
+    recomputes: int = 0  # turns that recomputed tokens another replica had computed
+    recomputed_tokens: int = 0  # tokens of cluster records recomputed here (no local state)
+    bytes_read: int = 0  # records read
+    bytes_written: int = 0  # records committed
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    """What operators see of the cluster (no network call: the lease thread keeps it)."""
+
+    url: str
+    replica: str
+    problems: list[str]  # as of the last check (empty: reachable and serving)
+    checked: float  # Unix time of that check
+    counters: ClusterCounters
+    chunks: ChunkStats | None = None  # session chunks in the cluster (None: records only)
 
 
 @dataclass

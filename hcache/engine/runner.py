@@ -26,7 +26,7 @@ from hcache.model.base import DecoderModel
 from hcache.model.decode import BLOCK_TOKENS, DecodeGraph, StepOut
 from hcache.restore.plan import Plan
 from hcache.restore.state import StateSource
-from hcache.storage.hydrate import Fetched
+from hcache.storage.fetched import Fetched
 from hcache.storage.store import ChunkStore
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import torch
 from hcache.engine.block_pool import PagedCache
 from hcache.engine.errors import Unavailable
 from hcache.model.decode import StepOut
-from hcache.storage.hydrate import Fetched
+from hcache.storage.fetched import Fetched
 from hcache.storage.layout import Kind, Stored
 from hcache.storage.staging import StagedBatch
 from hcache.storage.store import ChunkStore

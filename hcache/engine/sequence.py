@@ -18,7 +18,7 @@ from hcache.engine.records import PlanSummary, RestoreResult, SessionMeta, TurnS
 from hcache.engine.sampler import Sampler, SamplingParams
 from hcache.restore.plan import Method, Plan
 from hcache.storage.catalogue import Lease
-from hcache.storage.hydrate import Fetched
+from hcache.storage.fetched import Fetched
 
 
 class Phase(str, Enum):

@@ -19,7 +19,7 @@ from hcache.restore.profile import Geometry, Profile
 from hcache.restore.sources import RowsSource, SharedSource, StoreSource
 from hcache.restore.state import StateSource
 from hcache.storage.catalogue import Record
-from hcache.storage.hydrate import Fetched
+from hcache.storage.fetched import Fetched
 from hcache.storage.layout import CHUNK_TOKENS, Kind, Stored, encode_layer_kinds
 from hcache.storage.store import ChunkStore
 

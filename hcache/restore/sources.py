@@ -11,7 +11,7 @@ import torch
 from hcache.restore.plan import Plan
 from hcache.restore.state import StateSource, StateUnavailable
 from hcache.storage.errors import ChunkError
-from hcache.storage.hydrate import Fetched
+from hcache.storage.fetched import Fetched
 from hcache.storage.layout import CHUNK_TOKENS, Kind
 from hcache.storage.reader import OwnerReader, Want
 from hcache.storage.store import ChunkStore

@@ -20,9 +20,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from hcache import omp
+from hcache.cluster import sharing_for
 from hcache.config import Config
 from hcache.engine.block_pool import resident_kv_dtype
-from hcache.engine.cluster import ClusterLink
 from hcache.engine.engine import Engine
 from hcache.engine.telemetry import Telemetry
 from hcache.kernels.cpu import cpu
@@ -35,9 +35,7 @@ from hcache.server.http import SidePort
 from hcache.server.interceptors import CountingInterceptor, ErrorsInterceptor, ParsingInterceptor
 from hcache.server.metrics import Metrics
 from hcache.server.servicer import Servicer
-from hcache.storage.chunk_tier import ChunkTier
 from hcache.storage.dirs import ensure_dirs
-from hcache.storage.redis_catalogue import RedisCatalogue
 from hcache.storage.store import ChunkStore
 from hcache.v1 import hcache_pb2 as pb
 from hcache.v1 import hcache_pb2_grpc as pb_grpc
@@ -96,22 +94,20 @@ def build_engine(
         path = profiler.profile_path(Path(cfg.profile_dir), loaded.model)
         with _step(f"{'reading' if path.exists() else 'measuring this machine for'} the restore planner's profile"):
             profile = profiler.load_or_run(loaded.model, dirs, Path(cfg.profile_dir))
-    link = cluster_link(cfg)  # before the store: an unreachable cluster fails the start at once
+    sharing = sharing_for(cfg)  # before the store: an unreachable cluster fails the start at once
     try:
         m = loaded.model
         store = ChunkStore(cfg.storage, m.cfg, m.dtype, cfg.device, resident_kv_dtype(cfg.engine.kv_dtype, m))
     except BaseException:
-        if link is not None:
-            link.close()
+        sharing.close()
         raise
     try:
         name = str(loaded.source.name)
         with _step("starting the engine"):
-            engine = Engine(loaded.model, loaded.tokenizer, store, profile, cfg.engine, name, telemetry, link)
+            engine = Engine(loaded.model, loaded.tokenizer, store, profile, cfg.engine, name, telemetry, sharing)
     except Exception:
         store.close()
-        if link is not None:
-            link.close()
+        sharing.close()
         raise
     engine.runner.after_compiled(serve_compiled_only)
     return engine, store
@@ -124,18 +120,6 @@ def _step(what: str) -> Iterator[None]:
     t0 = time.perf_counter()
     yield
     log.info("%s: done in %.1f s", what, time.perf_counter() - t0)
-
-
-def cluster_link(cfg: Config) -> ClusterLink | None:
-    """`--cluster`: the shared session catalogue (a Redis Cluster, or one Redis server)."""
-    s = cfg.server
-    if not s.cluster:
-        return None
-    catalogue = RedisCatalogue(s.cluster, ttl_ms=s.lease_ms)
-    tier = ChunkTier(catalogue.r, s.cluster, s.chunk_ttl_s) if s.cluster_chunks != "off" else None
-    link = ClusterLink(catalogue, s.replica_name or None, chunks=tier, chunk_policy=s.cluster_chunks)
-    log.info("sessions shared through %s as replica %s", s.cluster, link.holder)
-    return link
 
 
 def start(cfg: Config, profile: Profile | None = None, loaded: LoadedModel | None = None) -> Running:

@@ -50,8 +50,7 @@ def readiness(metrics: Metrics) -> tuple[bool, list[str]]:
             os.unlink(name)
         except OSError as err:
             problems.append(f"{d} not writable: {err.strerror}")
-    if e.cluster is not None:
-        problems += e.cluster.problems()
+    problems += e.sharing.problems()
     return not problems, problems
 
 

@@ -17,8 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hcache.engine.cluster import ClusterState
-from hcache.engine.records import StorageState
+from hcache.engine.records import ClusterState, StorageState
 from hcache.engine.telemetry import Telemetry
 from hcache.kernels.cpu import cpu
 

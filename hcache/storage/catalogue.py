@@ -2,7 +2,7 @@
 fingerprint, what each layer stores) is committed when a turn is acknowledged, and the
 lease that makes one writer of it at a time. Two implementations: the local SQLite
 manifest (one process owns the store, so leases are in-process) and a Redis Cluster
-(`redis_catalogue.py`), which replicas share."""
+(`hcache/cluster/catalogue.py`), which replicas share."""
 
 from __future__ import annotations
 

@@ -21,11 +21,11 @@ from cluster_helpers import RedisCluster, redis_cluster  # noqa: F401 - a fixtur
 from engine_helpers import free_port, profile_for
 
 from hcache.client import Client, rendezvous, wait_for_server
+from hcache.cluster.catalogue import RedisCatalogue
 from hcache.config import Config, EngineConfig, ServerConfig, StorageConfig
 from hcache.engine.generate import ChatSession
 from hcache.engine.sampler import SamplingParams
 from hcache.server.app import Running, start
-from hcache.storage.redis_catalogue import RedisCatalogue
 
 pytestmark = pytest.mark.model
 SYSTEM = "You are a helpful assistant. Answer briefly."

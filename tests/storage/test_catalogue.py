@@ -8,10 +8,10 @@ import time
 import pytest
 from cluster_helpers import RedisServer, redis_cluster  # noqa: F401 - a fixture
 
+from hcache.cluster.catalogue import RedisCatalogue, parse_url
 from hcache.storage.catalogue import Catalogue, LocalCatalogue, Record
 from hcache.storage.errors import ClusterUnavailable, LeaseHeld, LeaseLost, UnknownOwner
 from hcache.storage.manifest import Manifest
-from hcache.storage.redis_catalogue import RedisCatalogue, parse_url
 
 TTL_MS = 400
 

@@ -12,13 +12,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hcache.engine.cluster import ChunkStats
+from hcache.cluster.fetch import fetch, hydrate
+from hcache.cluster.tier import ChunkTier
+from hcache.cluster.uploader import ChunkUploader, UploadCounters
+from hcache.engine.records import ChunkStats
 from hcache.restore.profile import Profile
 from hcache.storage.buffers import FetchBuffers
-from hcache.storage.chunk_tier import ChunkTier
-from hcache.storage.hydrate import Fetched, fetch, hydrate
+from hcache.storage.fetched import Fetched
 from hcache.storage.store import ChunkStore
-from hcache.storage.uploader import ChunkUploader, UploadCounters
 
 log = logging.getLogger(__name__)
 POLICIES = ("auto", "always", "off")

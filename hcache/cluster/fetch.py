@@ -3,7 +3,7 @@ as far as every stored layer's chunks reach intact. One script call reads every 
 header to find how far that is (the tokens past the first chunk some layer lacks, or holds
 for other tokens, are recomputed by the turn's prefill); then the chunks come layer by layer. A
 turn restores straight from the fetched rows while later layers are still coming
-(`background`), and stages them into the store behind it (engine/cluster_chunks.py);
+(`background`), and stages them into the store behind it (cluster/chunks.py);
 `hydrate` makes them durable at once (a context, read from the store by the sessions on it)."""
 
 from __future__ import annotations
@@ -12,72 +12,15 @@ import math
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from hcache.cluster.tier import ChunkTier, chunk_key, chunk_rows, prefix_hash, read_header, unpack
 from hcache.storage.buffers import FetchBuffers
-from hcache.storage.chunk_tier import ChunkTier, chunk_key, chunk_rows, prefix_hash, read_header, unpack
+from hcache.storage.fetched import Fetched, Progress
 from hcache.storage.layout import CHUNK_TOKENS, Kind, num_chunks
 from hcache.storage.store import ChunkStore
-
-
-@dataclass(eq=False)
-class Progress:
-    """Which layers' rows are in, shared by a fetch and the views cut from it."""
-
-    layers: dict[int, threading.Event]
-    bad: dict[int, int] = field(default_factory=dict)  # layer -> first token whose chunk failed its checksum
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None  # the fetch itself failed (every layer not in is bad)
-
-
-@dataclass
-class Fetched:
-    """Rows of an owner's tokens `start:start+tokens` from the cluster, per layer and kind,
-    each stream one contiguous tensor (as a restore reads it and a batch stages it). Layer
-    `l`'s rows are there once `ready(l)`; a layer in `bad` must not be used."""
-
-    start: int
-    tokens: int = 0
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [tokens, hidden]
-    kv: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [tokens, 2, kv_dim]
-    bytes: int = 0  # chunk bytes to fetch
-    missing: int = 0  # 1 if the chunks stop short of the owner's tokens (missing or of other tokens)
-    memory: torch.Tensor | None = None  # what the rows are views of, from `pool`
-    pool: FetchBuffers | None = None
-    progress: Progress = field(default_factory=lambda: _finished({}))
-
-    def head(self, n: int) -> Fetched:
-        """The first `n` of these rows (views of the same memory, filled by the same fetch)."""
-        n = min(n, self.tokens)
-        cut = {layer: t[:n] for layer, t in self.hidden.items()}, {layer: t[:n] for layer, t in self.kv.items()}
-        return Fetched(self.start, n, *cut, self.bytes, self.missing, self.memory, self.pool, self.progress)
-
-    def ready(self, layer: int) -> bool:
-        ev = self.progress.layers.get(layer)
-        return ev is None or ev.is_set()
-
-    def wait(self, layer: int, timeout: float | None = None) -> bool:
-        ev = self.progress.layers.get(layer)
-        return ev is None or ev.wait(timeout)
-
-    def usable(self, layer: int) -> bool:
-        """Layer `layer`'s rows are in and intact (call after `ready`)."""
-        return layer not in self.progress.bad
-
-    def intact(self) -> bool:
-        """Every layer is in and intact: the rows may be staged (waits for the fetch)."""
-        self.progress.done.wait()
-        return not self.progress.bad
-
-    def release(self) -> None:
-        """Nothing reads the rows any more: their memory serves the next fetch (once the
-        fetch has stopped writing it)."""
-        self.progress.done.wait()
-        if self.memory is not None and self.pool is not None:
-            self.pool.give(self.memory)
-        self.memory = None
 
 
 def fetch(
@@ -216,12 +159,6 @@ class _LayerFetch:
                 hi = min(i * CHUNK_TOKENS + rows, out.start + out.tokens)
                 src = _rows(body, shape.dtype, shape.shape[1:])
                 dst[lo - out.start : hi - out.start].copy_(src[lo - i * CHUNK_TOKENS : hi - i * CHUNK_TOKENS])
-
-
-def _finished(layers: dict[int, threading.Event]) -> Progress:
-    p = Progress(layers)
-    p.done.set()
-    return p
 
 
 def _rows(body: memoryview, dtype: torch.dtype, width: tuple[int, ...]) -> torch.Tensor:

@@ -11,59 +11,15 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
+from hcache.cluster.tier import ChunkTier
+from hcache.engine.records import ChunkStats, ClusterCounters, ClusterState
 from hcache.storage.catalogue import Catalogue, Lease, Record
-from hcache.storage.chunk_tier import ChunkTier
 from hcache.storage.errors import ClusterUnavailable, LeaseHeld, StorageError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ClusterState:
-    """What operators see of the cluster (no network call: the lease thread keeps it)."""
-
-    url: str
-    replica: str
-    problems: list[str]  # as of the last check (empty: reachable and serving)
-    checked: float  # Unix time of that check
-    counters: ClusterCounters
-    chunks: ChunkStats | None = None  # session chunks in the cluster (None: records only)
-
-
-@dataclass(frozen=True)
-class ChunkStats:
-    """Chunk traffic both ways: fetched before turns, uploaded behind them."""
-
-    fetches: int
-    tokens: int
-    bytes_read: int
-    misses: int
-    skipped: int
-    failed: int
-    read_gbps: float
-    uploaded_chunks: int
-    uploaded_bytes: int
-    upload_drops: int
-    upload_failures: int
-
-
-@dataclass
-class ClusterCounters:
-    """Totals since the engine started."""
-
-    commits: int = 0  # turns acknowledged after their record was committed
-    lease_conflicts: int = 0  # turns refused: another replica held the session
-    takeovers: int = 0  # leases taken after their holder let them expire (it died)
-    refused_commits: int = 0  # late commits the epoch fenced off
-    errors: int = 0  # calls that could not reach the cluster
-    adoptions: int = 0  # sessions this replica first saw in the cluster
-    recomputes: int = 0  # turns that recomputed tokens another replica had computed
-    recomputed_tokens: int = 0  # tokens of cluster records recomputed here (no local state)
-    bytes_read: int = 0  # records read
-    bytes_written: int = 0  # records committed
 
 
 def replica_name() -> str:

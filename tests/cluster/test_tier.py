@@ -10,15 +10,15 @@ import pytest
 import torch
 from storage_helpers import GEOM, KINDS, check_all, expected, save
 
+from hcache.cluster.fetch import fetch, hydrate
+from hcache.cluster.tier import ChunkTier, chunk_key
+from hcache.cluster.uploader import ChunkUploader
 from hcache.config import StorageConfig
 from hcache.engine.errors import Unavailable
 from hcache.engine.saver import stage_fetched
 from hcache.storage.buffers import FetchBuffers
-from hcache.storage.chunk_tier import ChunkTier, chunk_key
-from hcache.storage.hydrate import fetch, hydrate
 from hcache.storage.layout import Kind
 from hcache.storage.store import ChunkStore
-from hcache.storage.uploader import ChunkUploader
 
 N = 150  # three chunks, the last a tail
 

@@ -13,14 +13,14 @@ from cluster_helpers import redis_cluster, two_replicas  # noqa: F401 - a fixtur
 from conftest import tload
 from engine_helpers import make_engine, turn, word_tokenizer
 from prometheus_client import generate_latest
-from test_cluster import History, P, ids
+from test_replicas import History, P, ids
 
-from hcache.engine.cluster import ClusterLink
+from hcache.cluster.catalogue import RedisCatalogue
+from hcache.cluster.link import ClusterLink
+from hcache.cluster.tier import ChunkTier, chunk_key, pack, prefix_hash, unpack
 from hcache.engine.errors import InvalidArgument, Unavailable
 from hcache.server.metrics import Metrics
-from hcache.storage.chunk_tier import ChunkTier, chunk_key, pack, prefix_hash, unpack
 from hcache.storage.layout import Kind
-from hcache.storage.redis_catalogue import RedisCatalogue
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def made_on(eng, model, seed: int, n: int):
     s = eng.create_session()
     h = History(model)
     h.run(eng, s.id, ids(rng, n))
-    assert eng.chunks.uploader.flush()
+    assert eng.sharing.chunks.uploader.flush()
     return rng, s, h
 
 
@@ -76,22 +76,22 @@ def test_evicted_chunks_are_recomputed_and_the_output_stays_exact(model, pair, r
     a, b = pair
     rng, s, h = made_on(a, model, 13, 200)
     # the session's keys share its hash tag: one master holds them all
-    node = a.cluster.cat.r.get_node_from_key(f"hc:{{{s.id}}}:rec")
+    node = a.sharing.link.cat.r.get_node_from_key(f"hc:{{{s.id}}}:rec")
     r = redis.Redis(host=node.host, port=node.port)
     keys = [chunk_key(s.id, layer, Kind.KV, i) for layer in range(model.cfg.num_layers) for i in range(4)]
     used = int(r.info("memory")["used_memory"])
     r.config_set("maxmemory-policy", "volatile-lru")
-    r.config_set("maxmemory", str(used - a.chunks.uploads.bytes // 2))
+    r.config_set("maxmemory", str(used - a.sharing.chunks.uploads.bytes // 2))
     try:
         r.set(f"hc:{{{s.id}}}:nudge", b"x", ex=60)  # any write makes Redis evict down to the limit
         left = sum(r.exists(k) for k in keys)
         assert 0 <= left < len(keys)
     finally:
         r.config_set("maxmemory", "0")
-    assert a.cluster.get(s.id) is not None  # records carry no TTL: never evicted
+    assert a.sharing.link.get(s.id) is not None  # records carry no TTL: never evicted
     h.run(b, s.id, ids(rng, 6))  # exact: what the cluster lost is recomputed
-    assert b.chunks.counters.misses > 0
-    assert b.cluster.counters.recomputed_tokens > 0 and by_source(b)["recompute"] == 1.0
+    assert b.sharing.chunks.counters.misses > 0
+    assert b.sharing.link.counters.recomputed_tokens > 0 and by_source(b)["recompute"] == 1.0
 
 
 def test_a_replica_restores_a_session_from_the_clusters_chunks(model, pair):
@@ -101,18 +101,19 @@ def test_a_replica_restores_a_session_from_the_clusters_chunks(model, pair):
     h = History(model)
     h.run(a, s.id, ids(rng, 150))  # three chunks per layer, the last a tail
     h.run(a, s.id, ids(rng, 20))
-    assert a.chunks.uploader.flush()
-    assert a.chunks.uploads.chunks > 0 and a.chunks.uploads.dropped == a.chunks.uploads.failed == 0
+    assert a.sharing.chunks.uploader.flush()
+    up = a.sharing.chunks.uploads
+    assert up.chunks > 0 and up.dropped == up.failed == 0
     h.run(b, s.id, ids(rng, 7))  # b has nothing of it: fetched, then restored from its store
-    c = b.chunks.counters
+    c = b.sharing.chunks.counters
     assert c.fetches == 1 and c.tokens == len(h.fed) - 7 - 5 - 1 and c.misses == 0
-    assert b.cluster.counters.recomputed_tokens == 0 and b.counters.restores == 1
+    assert b.sharing.link.counters.recomputed_tokens == 0 and b.counters.restores == 1
     assert by_source(b) == {"local": 0.0, "cluster": 1.0, "recompute": 0.0}
-    assert b.chunks.uploader.flush()
+    assert b.sharing.chunks.uploader.flush()
     a.evict(s.id)  # (a resident stale turn is cheaper to extend by prefill than to reload)
     h.run(a, s.id, ids(rng, 9))  # a holds a stale turn: the turn b ran comes from b's chunks
-    assert a.chunks.counters.fetches == 1 and a.chunks.counters.tokens == 7 + 5
-    assert a.cluster.counters.recomputed_tokens == 0
+    assert a.sharing.chunks.counters.fetches == 1 and a.sharing.chunks.counters.tokens == 7 + 5
+    assert a.sharing.link.counters.recomputed_tokens == 0
 
 
 def test_fetched_rows_turn_durable_with_the_turn_and_a_refused_turn_drops_them(model, pair):
@@ -123,15 +124,15 @@ def test_fetched_rows_turn_durable_with_the_turn_and_a_refused_turn_drops_them(m
     with pytest.raises(InvalidArgument):  # a token id past the vocabulary: refused after the fetch
         turn(b, s.id, token_ids=[model.cfg.vocab_size], params=P)
     bs = b.registry.sessions[s.id]
-    assert b.chunks.counters.bytes_read > 0 and b.chunks.counters.fetches == 0
+    assert b.sharing.chunks.counters.bytes_read > 0 and b.sharing.chunks.counters.fetches == 0
     assert bs.fetched is None and not bs.busy
     assert bs.tokens == [] and bs.history is not None and b.store.owner_row(s.id).num_tokens == 0
     h.run(b, s.id, ids(rng, 7))  # fetched again, restored from memory
-    assert b.chunks.counters.fetches == 1 and b.cluster.counters.recomputed_tokens == 0
+    assert b.sharing.chunks.counters.fetches == 1 and b.sharing.link.counters.recomputed_tokens == 0
     assert b.store.owner_row(s.id).tokens == h.fed[:-1]  # durable with the turn, fetched rows included
     b.evict(s.id)
     h.run(b, s.id, ids(rng, 5))  # from b's own disks now
-    assert b.chunks.counters.fetches == 1 and by_source(b) == {"local": 1.0, "cluster": 1.0, "recompute": 0.0}
+    assert b.sharing.chunks.counters.fetches == 1 and by_source(b) == {"local": 1.0, "cluster": 1.0, "recompute": 0.0}
 
 
 def test_a_chunk_damaged_in_the_cluster_fails_one_turn_and_its_retry_is_exact(model, pair):
@@ -142,7 +143,7 @@ def test_a_chunk_damaged_in_the_cluster_fails_one_turn_and_its_retry_is_exact(mo
     rng, s, h = made_on(a, model, 19, 150)
     recorded = len(h.fed) - 1
     key = chunk_key(s.id, 1, Kind.KV, 1)
-    r = a.cluster.cat.r
+    r = a.sharing.link.cat.r
     v = bytearray(r.get(key))
     v[-1] ^= 1
     r.set(key, bytes(v))
@@ -153,7 +154,7 @@ def test_a_chunk_damaged_in_the_cluster_fails_one_turn_and_its_retry_is_exact(mo
     bs = b.registry.sessions[s.id]
     assert not bs.busy and bs.fetched is None and b.store.owner_row(s.id).num_tokens == 0
     h.run(b, s.id, new)  # exact: chunk 0 of every layer fetched, the rest recomputed
-    assert b.chunks.counters.misses == 1 and b.chunks.counters.tokens == recorded + 64
+    assert b.sharing.chunks.counters.misses == 1 and b.sharing.chunks.counters.tokens == recorded + 64
     assert b.store.owner_row(s.id).tokens == h.fed[:-1]
 
 
@@ -162,9 +163,9 @@ def test_a_context_precomputed_on_one_replica_is_fetched_by_another(model, pair)
     rng = random.Random(12)
     doc = ids(rng, 130)
     ctx = a.precompute_context(token_ids=doc)
-    assert a.chunks.uploader.flush()
+    assert a.sharing.chunks.uploader.flush()
     s = b.create_session(context_ids=[ctx.id])
-    assert b.chunks.counters.tokens == len(doc) and b.cluster.counters.recomputed_tokens == 0
+    assert b.sharing.chunks.counters.tokens == len(doc) and b.sharing.link.counters.recomputed_tokens == 0
     h = History(model, doc)
     h.run(b, s.id, ids(rng, 8))
     h.run(a, s.id, ids(rng, 8))
@@ -173,7 +174,7 @@ def test_a_context_precomputed_on_one_replica_is_fetched_by_another(model, pair)
 def test_auto_prices_the_fetch_with_the_clusters_measured_bandwidth(model, redis_cluster, tmp_path):  # noqa: F811
     eng, store = replica(model, redis_cluster.url, tmp_path / "c", "replica-c", policy="auto")
     try:
-        ch = eng.chunks
+        ch = eng.sharing.chunks
         assert ch.read_gbps() > 0 and ch.counters.read_gbps == ch.read_gbps()  # measured once, kept
         recompute_ms = model.cfg.num_layers * (eng.profile.re_ms(200) - eng.profile.re_ms(0))
         fetch_ms = 200 * ch.bytes_per_token / (ch.read_gbps() * 1e9) * 1e3

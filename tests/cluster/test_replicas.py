@@ -14,11 +14,11 @@ from cluster_helpers import RedisCluster, redis_cluster, two_replicas  # noqa: F
 from conftest import tload
 from engine_helpers import make_engine, reference, turn, wait_until, word_tokenizer
 
-from hcache.engine.cluster import ClusterLink
+from hcache.cluster.catalogue import RedisCatalogue, keys
+from hcache.cluster.link import ClusterLink
 from hcache.engine.errors import FailedPrecondition, NotFound
 from hcache.engine.sampler import SamplingParams
 from hcache.storage.errors import ClusterUnavailable, LeaseHeld, LeaseLost
-from hcache.storage.redis_catalogue import RedisCatalogue, keys
 
 TTL_MS = 1500
 P = SamplingParams(max_new_tokens=5)
@@ -65,15 +65,15 @@ def test_any_replica_continues_any_session_token_for_token(model, pair):
     h = History(model)
     h.run(a, s.id, ids(rng, 40))
     h.run(b, s.id, ids(rng, 7))  # b has nothing of it: recomputed from the record
-    assert b.cluster.counters.adoptions == 1 and b.cluster.counters.recomputed_tokens >= 40
+    assert b.sharing.link.counters.adoptions == 1 and b.sharing.link.counters.recomputed_tokens >= 40
     h.run(a, s.id, ids(rng, 9))  # a holds a stale turn: its local state is a prefix
     h.run(a, s.id, ids(rng, 3))  # and now the current one
     h.run(b, s.id, ids(rng, 5))
-    rec = a.cluster.get(s.id)
+    rec = a.sharing.link.get(s.id)
     assert rec is not None and rec.turns == 5 and rec.tokens == h.fed[:-1]
     view = b.get(s.id)
     assert view.turns == 5 and len(view.acknowledged) == len(h.fed) - 1
-    assert a.cluster.counters.commits == 3 and b.cluster.counters.commits == 2
+    assert a.sharing.link.counters.commits == 3 and b.sharing.link.counters.commits == 2
 
 
 def test_two_replicas_racing_a_turn_commit_exactly_one(model, pair):
@@ -103,7 +103,7 @@ def test_two_replicas_racing_a_turn_commit_exactly_one(model, pair):
     assert len(won) == 1 and len(lost) == 1 and isinstance(lost[0], LeaseHeld), out
     assert "leased by replica" in str(lost[0]) and f"replica-{won[0]}" in str(lost[0])
     assert out[won[0]] == reference(model, [*h.fed, *new], P, set())
-    rec = a.cluster.get(s.id)
+    rec = a.sharing.link.get(s.id)
     assert rec is not None and rec.turns == 2
 
 
@@ -114,18 +114,18 @@ def test_a_dead_owners_lease_expires_and_its_late_commit_is_refused(model, pair)
     h = History(model)
     h.run(a, s.id, ids(rng, 30))
     # a dies mid-turn: its lease stays behind, unrenewed, and its turn never commits
-    dead, _ = a.cluster.lease(s.id)
-    with a.cluster._lock:
-        a.cluster._held.clear()
+    dead, _ = a.sharing.link.lease(s.id)
+    with a.sharing.link._lock:
+        a.sharing.link._held.clear()
     with pytest.raises(LeaseHeld, match="replica-a"):
         b.generate(s.id, token_ids=ids(rng, 4), params=P)
     lease_key = keys(s.id)[1]
-    wait_until(lambda: not b.cluster.cat.r.exists(lease_key), "the dead owner's lease to expire")
+    wait_until(lambda: not b.sharing.link.cat.r.exists(lease_key), "the dead owner's lease to expire")
     h.run(b, s.id, ids(rng, 4))  # from the last acknowledged turn, exactly
-    assert b.cluster.counters.takeovers == 1
+    assert b.sharing.link.counters.takeovers == 1
     with pytest.raises(LeaseLost, match="taken over"):
-        a.cluster.commit(dead, [1, 2, 3], {"turns": 9})
-    rec = b.cluster.get(s.id)
+        a.sharing.link.commit(dead, [1, 2, 3], {"turns": 9})
+    rec = b.sharing.link.get(s.id)
     assert rec is not None and rec.turns == 2 and rec.tokens == h.fed[:-1]
     h.run(a, s.id, ids(rng, 4))
 
@@ -190,7 +190,7 @@ def test_an_unreachable_cluster_refuses_with_a_clear_error_and_keeps_local_state
         h = History(model)
         h.run(eng, s.id, ids(rng, 25))
         cluster.stop()
-        assert any("unreachable" in p for p in eng.cluster.problems())
+        assert any("unreachable" in p for p in eng.sharing.link.problems())
         for call in (
             lambda: eng.generate(s.id, token_ids=ids(rng, 3), params=P),
             lambda: eng.create_session(),
@@ -198,7 +198,7 @@ def test_an_unreachable_cluster_refuses_with_a_clear_error_and_keeps_local_state
         ):
             with pytest.raises(ClusterUnavailable, match="unreachable"):
                 call()
-        assert eng.cluster.counters.errors >= 3
+        assert eng.sharing.link.counters.errors >= 3
         assert store.owner_row(s.id).tokens == h.fed[:-1]  # the local cache of the last turn stays
         assert not s.busy
     finally:

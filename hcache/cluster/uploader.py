@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hcache.storage.chunk_tier import ChunkTier, chunk_key, chunk_rows, pack, prefix_hash
+from hcache.cluster.tier import ChunkTier, chunk_key, chunk_rows, pack, prefix_hash
 from hcache.storage.errors import StorageError
 from hcache.storage.layout import CHUNK_TOKENS, num_chunks
 from hcache.storage.store import ChunkStore
