@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 import time
 from collections import deque
@@ -30,6 +31,7 @@ from hcache.storage.fetched import Fetched
 from hcache.storage.store import ChunkStore
 
 log = logging.getLogger(__name__)
+COMPILING_SWITCH_S = 0.00002  # the GIL's switch interval while the decode step compiles in the background
 
 
 class Runner:
@@ -72,10 +74,17 @@ class Runner:
             # the count of the thread that compiles (a serial thread's kernels stay serial)
             def background() -> None:
                 omp.use_compute_threads()
+                # compiling is Python for minutes, and every op of an eager step lets go of
+                # the GIL and waits up to a switch interval to take it back: shorter turns
+                # while it compiles, or a step of a few hundred ops waits seconds
+                interval = sys.getswitchinterval()
+                sys.setswitchinterval(COMPILING_SWITCH_S)
                 try:
                     compile_step()
                 except Exception:
                     log.exception("compiling the decode step failed; decode steps stay eager")
+                finally:
+                    sys.setswitchinterval(interval)
 
             log.info("compiling the decode step in the background; eager steps serve meanwhile")
             threading.Thread(target=background, name="hcache-compile", daemon=True).start()
