@@ -10,7 +10,8 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -57,37 +58,34 @@ class ClusterLink:
         self._thread = threading.Thread(target=self._renew, name="hcache-leases", daemon=True)
         self._thread.start()
 
-    def _count_error(self, e: Exception) -> None:
-        if isinstance(e, ClusterUnavailable):
+    @contextmanager
+    def _counted(self) -> Iterator[None]:
+        """A call to the catalogue; one that cannot reach the cluster is counted."""
+        try:
+            yield
+        except ClusterUnavailable:
             self.counters.errors += 1
+            raise
 
     def get(self, owner: str) -> Record | None:
-        try:
+        with self._counted():
             rec = self.cat.get(owner)
-        except StorageError as e:
-            self._count_error(e)
-            raise
         if rec is not None:
             self.counters.bytes_read += record_bytes(rec)
         return rec
 
     def create(self, rec: Record) -> None:
-        try:
+        with self._counted():
             self.cat.create(rec)
-        except StorageError as e:
-            self._count_error(e)
-            raise
         self.counters.bytes_written += record_bytes(rec)
 
     def lease(self, owner: str) -> tuple[Lease, Record]:
         """The session's lease and its record as of the last acknowledged turn."""
         try:
-            lease = self.cat.acquire(owner, self.holder)
+            with self._counted():
+                lease = self.cat.acquire(owner, self.holder)
         except LeaseHeld:
             self.counters.lease_conflicts += 1
-            raise
-        except StorageError as e:
-            self._count_error(e)
             raise
         try:
             rec = self.get(owner)
@@ -106,21 +104,20 @@ class ClusterLink:
     def commit(self, lease: Lease, tokens: list[int], meta: dict[str, Any]) -> None:
         """The turn becomes the record's: it may be acknowledged."""
         try:
-            self.cat.commit_turn(lease, tokens, meta)
-        except StorageError as e:
-            self._count_error(e)
-            if not isinstance(e, ClusterUnavailable):
-                self.counters.refused_commits += 1
+            with self._counted():
+                self.cat.commit_turn(lease, tokens, meta)
+        except ClusterUnavailable:
+            raise
+        except StorageError:
+            self.counters.refused_commits += 1
             raise
         self.counters.commits += 1
         self.counters.bytes_written += 4 * len(tokens) + len(str(meta))
 
     def delete(self, lease: Lease) -> None:
         try:
-            self.cat.delete(lease)
-        except StorageError as e:
-            self._count_error(e)
-            raise
+            with self._counted():
+                self.cat.delete(lease)
         finally:
             with self._lock:
                 self._held.pop(lease.owner, None)
@@ -131,9 +128,9 @@ class ClusterLink:
             if self._held.get(lease.owner) == lease:
                 del self._held[lease.owner]
         try:
-            self.cat.release(lease)
+            with self._counted():
+                self.cat.release(lease)
         except StorageError as e:
-            self._count_error(e)
             log.warning("releasing the lease of %s: %s", lease.owner, e)
 
     def problems(self) -> list[str]:
@@ -154,10 +151,11 @@ class ClusterLink:
                 held = list(self._held.values())
             for lease in held:
                 try:
-                    if not self.cat.renew(lease):
+                    with self._counted():
+                        renewed = self.cat.renew(lease)
+                    if not renewed:
                         log.warning("lost the lease of %s (epoch %d): its commit is refused", lease.owner, lease.epoch)
                 except StorageError as e:
-                    self._count_error(e)
                     log.warning("renewing the lease of %s: %s", lease.owner, e)
 
     def close(self) -> None:

@@ -109,9 +109,7 @@ def read_config(name: str = "default") -> ModelConfig:
     path = resolve_model_path(name)
     if path.is_dir():
         return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
+    reader = _gguf_reader(path)
     fields = read_gguf_fields(reader)
     names = {t.name for t in reader.tensors}
     return gguf_config(fields, fields.get("general.architecture", ""), "output.weight" in names)
