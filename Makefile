@@ -4,6 +4,10 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 PIN    := -c requirements/constraints.txt
 ARGS   ?=
+# Test workers (pytest-xdist): one per CPU, at most 4, each computing with its share of the
+# CPUs (more OpenMP threads than CPUs make every small op wait for sleeping threads).
+WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
+PYTEST := OMP_NUM_THREADS=$(shell echo $$(( $$(nproc) / $(WORKERS) ))) $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup
 
 .PHONY: serve chat demo cluster-demo test test-all lint proto bench bench-peers bench-serve bench-cluster clean
 
@@ -79,10 +83,10 @@ lint: $(VENV)/.test
 
 # What CI runs. The soak-scale variants (`slow`) run in test-all.
 test: lint
-	$(PY) -m pytest -q --durations=15 -m "not slow" $(ARGS)
+	$(PYTEST) --durations=15 -m "not slow" $(ARGS)
 
 test-all: lint
-	$(PY) -m pytest -q --durations=15 $(ARGS)
+	$(PYTEST) --durations=15 $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

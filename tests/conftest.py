@@ -48,6 +48,17 @@ TINY = {
 }
 
 
+# tests of a costly session fixture run on one xdist worker (`--dist loadgroup`), which builds it once
+COSTLY_FIXTURES = ("served_default", "hf_default")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        costly = next((f for f in COSTLY_FIXTURES if f in getattr(item, "fixturenames", ())), None)
+        if costly is not None:
+            item.add_marker(pytest.mark.xdist_group(costly))
+
+
 def _hf_config(kind: str, **kw):
     import transformers as tf
 
