@@ -52,10 +52,11 @@ TINY = {
 COSTLY_FIXTURES = ("served_default", "hf_default")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         costly = next((f for f in COSTLY_FIXTURES if f in getattr(item, "fixturenames", ())), None)
-        if costly is not None:
+        if costly is not None and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(costly))
 
 

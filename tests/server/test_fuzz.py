@@ -15,7 +15,8 @@ from hcache.config import Config, EngineConfig, ServerConfig, StorageConfig
 from hcache.server.app import start
 from hcache.v1 import hcache_pb2 as pb
 
-pytestmark = pytest.mark.model
+# one worker runs the file in order: the last test checks what the fuzzers before it saw
+pytestmark = [pytest.mark.model, pytest.mark.xdist_group("fuzz")]
 OK = grpc.StatusCode.OK
 EXPECTED = {
     grpc.StatusCode.INVALID_ARGUMENT,
