@@ -12,9 +12,10 @@ from hcache.cluster.chunks import ClusterChunks
 from hcache.cluster.link import ClusterLink
 from hcache.engine import checks
 from hcache.engine.errors import FailedPrecondition, NotFound
-from hcache.engine.records import ClusterState, SessionMeta
+from hcache.engine.records import ClusterState
 from hcache.engine.sampler import SamplingParams
-from hcache.engine.sequence import Sequence, Session
+from hcache.engine.sequence import Sequence
+from hcache.engine.session import Session, SessionMeta
 from hcache.engine.sharing import Host, Sharing
 from hcache.storage.catalogue import Lease, Record
 from hcache.storage.errors import LeaseHeld, UnknownOwner
@@ -78,7 +79,7 @@ class ClusterSharing(Sharing):
         seq.lease = None
         if self.chunks is not None:
             # a first turn uploads every chunk: a fork's shared ones are its own in the cluster
-            self.chunks.after_turn(s.id, tokens, 0 if s.turns <= 1 else seq.keep - s.base)
+            self.chunks.after_turn(s.id, tokens, 0 if s.meta.turns <= 1 else seq.keep - s.base)
 
     def release(self, lease: Lease) -> None:
         self.link.release(lease)
@@ -141,7 +142,7 @@ class ClusterSharing(Sharing):
             with self.engine.lock:
                 s = self.engine.reclaimer.settle(sid, tenant, self.engine.registry.sessions[sid].kind)
                 checks.not_busy(s)
-                if s.kind == "context" and any(o.parent == s.id for o in self.engine.registry.sessions.values()):
+                if s.kind == "context" and any(o.meta.parent == s.id for o in self.engine.registry.sessions.values()):
                     raise FailedPrecondition(f"context {s.id} is shared by sessions here; delete them first")
             self.link.delete(lease)
         except BaseException:
@@ -249,6 +250,6 @@ class ClusterSharing(Sharing):
     @staticmethod
     def _view(rec: Record) -> Session:
         """A session this replica holds nothing of, as the cluster records it."""
-        s = Session.from_meta(rec.owner, rec.kind, SessionMeta.from_dict(rec.meta), [], rec.created, rec.updated)
+        s = Session(rec.owner, rec.kind, SessionMeta.from_dict(rec.meta), [], rec.created, rec.updated)
         s.history = rec.tokens  # its context's tokens are not counted
         return s

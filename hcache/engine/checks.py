@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from hcache.engine.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from hcache.engine.sampler import SamplingParams
-from hcache.engine.sequence import Session
+from hcache.engine.session import Session
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
 

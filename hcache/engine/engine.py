@@ -5,37 +5,43 @@ process (cluster mode's leases, adoptions and fetches) is `self.sharing`'s (shar
 
 from __future__ import annotations
 
+import heapq
 import logging
-import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 from hcache.config import EngineConfig
 from hcache.engine import checks, heap
 from hcache.engine.block_pool import BlockPool, resident_kv_dtype
+from hcache.engine.detokenizer import TextStream
 from hcache.engine.errors import FailedPrecondition, InvalidArgument, Unavailable
 from hcache.engine.finisher import Finisher
-from hcache.engine.lock import EngineLock
+from hcache.engine.forks import fork, longest_stored
 from hcache.engine.loop import Loop
+from hcache.engine.parts import Parts
 from hcache.engine.reclaimer import Reclaimer
 from hcache.engine.records import Counters, EngineSnapshot, RestoreResult, StorageState
+from hcache.engine.registry import Registry
 from hcache.engine.runner import Runner
 from hcache.engine.sampler import SamplingParams
 from hcache.engine.scheduler import Scheduler
-from hcache.engine.sequence import Event, EventSink, Sequence, Session, TextStream
-from hcache.engine.sessions import Registry, layer_kinds_for
+from hcache.engine.sequence import Event, EventSink, Sequence
+from hcache.engine.session import Session
 from hcache.engine.sharing import Sharing, Solo
 from hcache.engine.telemetry import Telemetry
 from hcache.model.base import DecoderModel
 from hcache.model.decode import BLOCK_TOKENS
 from hcache.model.tokenizer import Tokenizer
 from hcache.restore.plan import Method
+from hcache.restore.planning import RestorePlanner, layer_kinds_for
 from hcache.restore.profile import Profile
 from hcache.storage.layout import CHUNK_TOKENS
 from hcache.storage.prefixes import common_prefix
 from hcache.storage.store import ChunkStore
 
 log = logging.getLogger(__name__)
+RECENT_SESSIONS = 200  # rows of the dashboard's session table
 
 
 class Engine:
@@ -71,23 +77,17 @@ class Engine:
         longest = max(self.cfg.plan_tokens, min(mc.max_position, self.pool.num_blocks * BLOCK_TOKENS))
         store.buffers.warm(longest * max(s.nbytes for s in store.shapes.values()) // CHUNK_TOKENS, mc.num_layers)
         self.registry = Registry(store, model, kinds)
-        self.lock = EngineLock()
         self.counters = Counters()
         self.scheduler = Scheduler(self.pool, self.registry.sessions, self.cfg.max_batch, self.counters)
+        parts = Parts(self.cfg, store, self.registry, self.scheduler, self.sharing, self.telemetry)
+        self.lock, self._wake = parts.lock, parts.work
         self.runner = Runner(model, store, self.cfg)
         self.runner.warm(self.pool)
-        self._wake = threading.Event()
-        self.finisher = Finisher(store, self.scheduler, self.lock, tokenizer.decode, self._turn_ended, self.sharing)
-        self.settled = threading.Condition(self.lock)  # a session the reclaimer held is free again
-        self.reclaimer = Reclaimer(
-            store, self.registry, self.lock, self.settled, self.cfg, self.counters,
-            self.scheduler.evict, self._wake.set, self.scheduler.queued,
-        )  # fmt: skip
+        self.finisher = Finisher(parts, tokenizer.decode)
+        self.reclaimer = Reclaimer(parts)
         self.draining = False
-        self.loop = Loop(
-            store, profile, self.registry, self.scheduler, self.runner, self.finisher, self.reclaimer,
-            self.sharing, self.counters, self.telemetry, self.lock, self._wake, model.device,
-        )  # fmt: skip
+        planner = RestorePlanner(store, model, self.registry.fingerprint, profile)
+        self.loop = Loop(parts, planner, self.runner, self.finisher, self.reclaimer)
         self.sharing.attach(self)
         heap.freeze()  # the model, compiled kernels and this engine: no full collection walks them
         if not self.runner.compiled.is_set():  # and the compiled step, once compiled
@@ -127,12 +127,12 @@ class Engine:
         ids = self.tok.encode_chat([*history, messages[-1]])
         with self.lock:
             checks.session_limit(self.registry.sessions.values(), tenant, self.cfg.max_sessions_per_tenant)
-            found = self.registry.match(ids, tenant)
+            found = longest_stored(self.registry, ids, tenant)
             if found is None:
                 s, shared = self.registry.create("session", {}, [], history, tenant), 0
             else:
                 parent, shared = found
-                s = self.registry.fork(parent, shared, history, tenant)
+                s = fork(self.registry, parent, shared, history, tenant)
                 self.counters.prefix_matches += 1
                 self.counters.prefix_tokens += shared
                 if parent.cache is not None and parent.cache.length >= shared:
@@ -220,13 +220,13 @@ class Engine:
             s = self.reclaimer.settle(session_id, tenant)
             if s.fetched is None:  # else busy since this request's lease fetched its rows
                 checks.usable(s)
-            mode = "chat" if message else "tokens"
-            if s.mode and s.mode != mode:
-                raise InvalidArgument(f"session {session_id} takes {s.mode} turns, not {mode}")
+            m, mode = s.meta, "chat" if message else "tokens"
+            if m.mode and m.mode != mode:
+                raise InvalidArgument(f"session {session_id} takes {m.mode} turns, not {mode}")
             if message:
-                ids = s.prefix + self.tok.encode_chat([*s.messages, {"role": "user", "content": message}])
+                ids = m.prefix + self.tok.encode_chat([*m.messages, {"role": "user", "content": message}])
             else:
-                ids = s.acknowledged + ([s.pending] if s.pending is not None else []) + list(token_ids or [])
+                ids = s.acknowledged + ([m.pending] if m.pending is not None else []) + list(token_ids or [])
             checks.tokens(ids, self.model.cfg.vocab_size)
             if len(ids) > cap:
                 raise InvalidArgument(f"prompt of {len(ids)} tokens exceeds the model's context of {cap}")
@@ -241,7 +241,7 @@ class Engine:
             if self.cfg.restore_method != "auto":
                 seq.restore_method = Method(self.cfg.restore_method)
             self.sharing.turn_queued(s, keep)
-            s.mode = mode
+            m.mode = mode
             s.busy = True
         return seq
 
@@ -329,20 +329,30 @@ class Engine:
         """The state GetStats, /metrics and the dashboard show, read at once."""
         storage = StorageState.of(self.store)  # disk usage, read outside the engine's lock
         with self.lock:
-            return EngineSnapshot.of(
-                self.model_name, self.draining, self.counters, self.scheduler, self.registry, self.pool, storage,
-                self.sharing.state(),
-            )  # fmt: skip
+            owners = list(self.registry.sessions.values())
+            sessions = [s for s in owners if s.kind == "session"]
+            recent = heapq.nlargest(RECENT_SESSIONS, owners, key=lambda s: s.last_used)
+            pool, per_block = self.pool, self.pool.bytes_per_block(self.pool.cfg, self.pool.dtype)
+            return EngineSnapshot(
+                time=time.time(),
+                model=self.model_name,
+                draining=self.draining,
+                counters=replace(self.counters),
+                queue=self.scheduler.queue_depth(),
+                sessions=len(sessions),
+                contexts=len(owners) - len(sessions),
+                resident_sessions=sum(s.resident for s in sessions),
+                resident_bytes=(pool.num_blocks - pool.num_free) * per_block,
+                budget_bytes=pool.num_blocks * per_block,
+                recent=[s.row() for s in recent],
+                storage=storage,
+                cluster=self.sharing.state(),
+            )
 
     # --- helpers -------------------------------------------------------------------
     def _check_open(self) -> None:
         if self.draining:
             raise Unavailable("the server is draining; retry on another instance")
-
-    def _turn_ended(self) -> None:
-        """A turn became durable: the loop may admit more, and the store has grown."""
-        self._wake.set()
-        self.reclaimer.wake.set()
 
     def _check_storage(self, tenant: str | None, more_tokens: int) -> None:
         owners, limit = self.registry.sessions.values(), self.cfg.max_storage_bytes_per_tenant
@@ -354,7 +364,7 @@ class Engine:
         stop_ids = set() if params.ignore_eos else set(self.tok.stop_ids)
         seq = Sequence(s, new, keep, params, stop_ids, self.model.cfg.max_position, sample=sample)
         seq.text = TextStream(self.tok.decode, stops)
-        seq.prev_mode = s.mode
+        seq.prev_mode = s.meta.mode
         return seq
 
     def _submit(self, seq: Sequence) -> None:

@@ -12,13 +12,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from hcache.engine.errors import EngineError, ResourceExhausted
-from hcache.engine.lock import EngineLock
-from hcache.engine.records import SessionMeta
-from hcache.engine.scheduler import Scheduler
-from hcache.engine.sequence import Event, Phase, Sequence
-from hcache.engine.sharing import Sharing
+from hcache.engine.parts import Parts
+from hcache.engine.sequence import Event, Sequence
+from hcache.engine.session import SessionMeta
 from hcache.storage.errors import StorageError, StorageFull
-from hcache.storage.store import ChunkStore
 
 log = logging.getLogger(__name__)
 
@@ -27,22 +24,15 @@ DURABLE_THREADS = 4  # turns made durable at once (record commits wait on the cl
 
 
 class Finisher:
-    def __init__(
-        self,
-        store: ChunkStore,
-        scheduler: Scheduler,
-        lock: EngineLock,
-        decode: Callable[[list[int]], str],
-        wake: Callable[[], None],
-        sharing: Sharing,
-    ):
-        self.store, self.scheduler, self.lock, self.decode, self.wake = store, scheduler, lock, decode, wake
-        self.sharing = sharing
+    def __init__(self, parts: Parts, decode: Callable[[list[int]], str]):
+        self.parts, self.decode = parts, decode
+        self.store, self.scheduler, self.lock, self.sharing = parts.store, parts.scheduler, parts.lock, parts.sharing
         self._pool = ThreadPoolExecutor(max_workers=DURABLE_THREADS, thread_name_prefix="hcache-durable")
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Called under the lock when the request's work is done."""
-        seq.phase, seq.finish_reason = Phase.FINISHED, reason
+        self.scheduler.finished(seq)
+        seq.finish_reason = reason
         s = seq.session
         s.last_used = time.monotonic()
         if seq.restore_only:
@@ -52,7 +42,7 @@ class Finisher:
         if seq.sample:
             seq.end_turn(self.decode)
         s.updated = time.time()
-        self._pool.submit(self._make_durable, seq, list(s.own_tokens), s.meta().to_dict())
+        self._pool.submit(self._make_durable, seq, list(s.own_tokens), s.meta.to_dict())
 
     def _make_durable(self, seq: Sequence, tokens: list[int], meta: dict) -> None:
         s = seq.session
@@ -82,17 +72,16 @@ class Finisher:
                 self.scheduler.evict(s)  # a context is read from storage by the sessions that use it
         seq.events.put(Event(finished=True, finish_reason=seq.finish_reason, stats=stats))
         seq.done.set()
-        self.wake()
+        self.parts.turn_ended()
 
     def fail(self, seq: Sequence, err: Exception) -> None:
         with self.lock:
-            self.scheduler.remove(seq)
+            self.scheduler.finished(seq)
             if seq.job is not None:
                 self._rollback(seq)
             else:
-                seq.session.mode = seq.prev_mode
+                seq.session.meta.mode = seq.prev_mode
                 seq.session.drop_fetched()  # (rows are staged only once the job runs)
-            seq.phase = Phase.FINISHED
             seq.session.busy = False
         if seq.lease is not None:
             self._pool.submit(self.sharing.release, seq.lease)  # a network call: never under the lock
@@ -112,7 +101,7 @@ class Finisher:
             log.exception("reloading %s after a failed turn", s.id)
             return
         s.tokens = s.tokens[: s.base] + row.tokens
-        s.rewind(SessionMeta.from_dict(row.meta))
+        s.meta = SessionMeta.from_dict(row.meta)
 
     def close(self) -> None:
         """Waits for the turns being made durable."""

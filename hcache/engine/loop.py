@@ -8,51 +8,29 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
 from hcache import omp
 from hcache.engine.errors import EngineError, FailedPrecondition, ResourceExhausted
 from hcache.engine.finisher import Finisher
-from hcache.engine.lock import EngineLock
+from hcache.engine.parts import Parts
 from hcache.engine.reclaimer import Reclaimer
-from hcache.engine.records import Counters
 from hcache.engine.runner import Runner
-from hcache.engine.scheduler import Scheduler
 from hcache.engine.sequence import Sequence
-from hcache.engine.sessions import Registry
-from hcache.engine.sharing import Sharing
-from hcache.engine.telemetry import Telemetry
 from hcache.malloc import trim_when_idle
 from hcache.restore.plan import Method
-from hcache.restore.profile import Profile
+from hcache.restore.planning import RestorePlanner
 from hcache.storage.errors import StorageError
-from hcache.storage.store import ChunkStore
 
 log = logging.getLogger(__name__)
 INTERNAL = "internal error in the engine; see the server log"
 
 
-@dataclass(eq=False)
 class Loop:
-    """What a step works with: the engine's parts, shared with its public calls."""
-
-    store: ChunkStore
-    profile: Profile
-    registry: Registry
-    scheduler: Scheduler
-    runner: Runner
-    finisher: Finisher
-    reclaimer: Reclaimer
-    sharing: Sharing
-    counters: Counters
-    telemetry: Telemetry
-    lock: EngineLock
-    wake: threading.Event  # set by whatever gives the loop work
-    device: torch.device
-
-    def __post_init__(self) -> None:
+    def __init__(self, parts: Parts, planner: RestorePlanner, runner: Runner, finisher: Finisher, reclaimer: Reclaimer):
+        self.parts, self.scheduler, self.planner = parts, parts.scheduler, planner
+        self.runner, self.finisher, self.reclaimer = runner, finisher, reclaimer
         self._stop = False
         self._threads = omp.compute_threads()
         self._thread = threading.Thread(target=self._run, name="hcache-engine", daemon=True)
@@ -60,29 +38,30 @@ class Loop:
 
     def stop(self) -> None:
         self._stop = True
-        self.wake.set()
+        self.parts.work.set()
         self._thread.join()
 
     def _run(self) -> None:
-        if self.device.type == "cpu":
+        p = self.parts
+        if self.runner.model.device.type == "cpu":
             torch.set_grad_enabled(False)
             omp.use_compute_threads(self._threads)
         with torch.inference_mode():
             while not self._stop:
                 try:
-                    with self.lock.step():
+                    with p.lock.step():
                         worked = self._step()
                 except Exception:  # a bug must not kill the loop silently: fail what was running
                     log.exception("engine step failed")
-                    with self.lock:
+                    with p.lock:
                         for seq in [*self.scheduler.prefilling, *self.scheduler.decoding]:
                             self.finisher.fail(seq, EngineError(INTERNAL))
                     worked = True
                 if not worked:
-                    self.store.send_held()  # the decode steps' last rows go on to disk
+                    p.store.send_held()  # the decode steps' last rows go on to disk
                     trim_when_idle()
-                    self.wake.wait(0.05)
-                    self.wake.clear()
+                    p.work.wait(0.05)
+                    p.work.clear()
 
     def _step(self) -> bool:
         """Admit what fits, one decode step over the batch, restore+prefill in the time left."""
@@ -90,7 +69,7 @@ class Loop:
         if self.scheduler.decoding:
             self._decode()
             worked = True
-        return self.runner.prefill(self.scheduler.prefilling, self.scheduler.decoding, self._prefill_ended) or worked
+        return self._prefill() or worked
 
     def _admit(self) -> bool:
         worked = False
@@ -118,7 +97,7 @@ class Loop:
         return worked
 
     def _start(self, seq: Sequence) -> None:
-        s = seq.session
+        s, store = seq.session, self.parts.store
         seq.t_start = time.perf_counter()
         plan = source = None
         fetched = s.fetched  # cleared once the job holds it: until then a failure drops it
@@ -127,49 +106,58 @@ class Loop:
         if fetched is not None:
             fetched = fetched.head(seq.keep - s.base - fetched.start)
         if s.cache is None and seq.keep:
-            cap = self.store.cfg.read_cap_gbps or None  # the store's token bucket holds reads to it
-            plan, seq.predicted_ms = self.registry.plan(s, seq.keep, self.profile, seq.restore_method, cap, fetched)
+            if s.error:
+                raise FailedPrecondition(s.error)
+            cap = store.cfg.read_cap_gbps or None  # the store's token bucket holds reads to it
+            plan, seq.predicted_ms = self.planner.plan(s.lineage, seq.keep, seq.restore_method, cap, fetched)
         if seq.keep < len(s.tokens):  # the conversation was re-rendered differently: drop the rest
             if s.cache is not None:
                 s.cache.truncate(seq.keep)
             if fetched is None:
-                self.store.truncate(s.id, seq.keep - s.base)
+                store.truncate(s.id, seq.keep - s.base)
             del s.tokens[seq.keep :]
         if fetched is not None:
-            self.sharing.used(fetched)
+            self.parts.sharing.used(fetched)
         if plan is not None:
-            source = self.registry.source(s, seq.keep, fetched)
+            source = self.planner.source(s.lineage, s.tokens, seq.keep, fetched)
             seq.plan = plan
         self.scheduler.allocate(seq)
         self.runner.start(seq, plan, source, fetched)
         s.fetched = None
         s.last_used = time.monotonic()
-        self.scheduler.to_prefill(seq)
+        self.scheduler.to_prefill(seq, restoring=plan is not None)
 
-    def _prefill_ended(self, seq: Sequence, error: Exception | None) -> None:
-        if error is not None:
-            self.finisher.fail(seq, error)
-            return
-        s, job = seq.session, seq.job
+    def _prefill(self) -> bool:
+        progress = self.runner.prefill(self.scheduler.prefilling, self.scheduler.decoding)
+        for seq in progress.restored:
+            self.scheduler.restored(seq)
+        for seq, error in progress.ended:
+            if error is not None:
+                self.finisher.fail(seq, error)
+            else:
+                self._prefilled(seq)
+        return progress.worked
+
+    def _prefilled(self, seq: Sequence) -> None:
+        s, job, p = seq.session, seq.job, self.parts
         assert job is not None
         rep = job.report
         s.tokens[seq.keep :] = seq.new_tokens
         if seq.plan is not None:
-            self.counters.restores += 1
-            self.counters.fallback_layers += rep.fallback_layers
+            p.counters.restores += 1
+            p.counters.fallback_layers += rep.fallback_layers
             s.last_plan, s.last_restore_ms = seq.plan, rep.restore_ms
             counts = seq.plan.counts()
             mix = "+".join(m.short for m in Method if counts[m.value])
-            self.telemetry.on_restore(mix, seq.plan.mix(), rep.restore_ms)
+            p.telemetry.on_restore(mix, seq.plan.mix(), rep.restore_ms)
         if seq.restore_only:
             seq.restored = seq.restore_result()
         if seq.restore_only or not seq.sample:
-            self.scheduler.remove(seq)
             self.finisher.finish(seq, "restored" if seq.restore_only else "stored")
             return
         token = self.runner.first_token(seq)
         seq.t_first = time.perf_counter()
-        self.telemetry.on_ttft((seq.t_first - seq.t_submit) * 1e3)
+        p.telemetry.on_ttft((seq.t_first - seq.t_submit) * 1e3)
         self.scheduler.to_decode(seq)
         self._emit(seq, token)
 
@@ -179,14 +167,13 @@ class Loop:
         now = time.perf_counter()
         for seq, token in zip(batch, tokens, strict=True):
             seq.tbt_ms.append((now - seq.t_last) * 1e3)
-            self.telemetry.on_tbt(seq.tbt_ms[-1])
+            self.parts.telemetry.on_tbt(seq.tbt_ms[-1])
             self._emit(seq, token)
         self.scheduler.rotate(batch)
 
     def _emit(self, seq: Sequence, token: int) -> None:
         event, reason = seq.push(token)
-        self.counters.generated_tokens += 1
+        self.parts.counters.generated_tokens += 1
         seq.events.put(event)
         if reason:
-            self.scheduler.decoding.remove(seq)
             self.finisher.finish(seq, reason)

@@ -19,15 +19,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
-from hcache.config import EngineConfig
 from hcache.engine.errors import ResourceExhausted
-from hcache.engine.lock import EngineLock
-from hcache.engine.records import Counters
-from hcache.engine.sequence import Sequence, Session
-from hcache.engine.sessions import Registry
-from hcache.storage.store import ChunkStore
+from hcache.engine.parts import Parts
+from hcache.engine.sequence import Sequence
+from hcache.engine.session import Session
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5  # between checks when nothing wakes the reclaimer
@@ -39,25 +36,14 @@ PRUNE_EVERY_S = 60.0
 
 
 class Reclaimer:
-    def __init__(
-        self,
-        store: ChunkStore,
-        registry: Registry,
-        lock: EngineLock,
-        settled: threading.Condition,
-        cfg: EngineConfig,
-        counters: Counters,
-        evict: Callable[[Session], None],
-        freed: Callable[[], None],
-        queued: Callable[[Session], bool],
-    ):
-        self.store, self.registry, self.lock, self.settled = store, registry, lock, settled
-        self.cfg, self.counters, self.evict, self.freed = cfg, counters, evict, freed
-        self.queued = queued  # whether a session's turn waits for admission, not started yet
+    def __init__(self, parts: Parts):
+        self.parts = parts
+        self.store, self.registry, self.lock, self.settled = parts.store, parts.registry, parts.lock, parts.settled
+        self.cfg, self.counters, self.scheduler = parts.cfg, parts.counters, parts.scheduler
+        self.wake = parts.reclaim
         self._wanted = 0  # free bytes a waiting turn asked for
         self._promised: dict[int, tuple[Sequence, int, int]] = {}  # turn -> (bytes, its owner's bytes then)
         self._next_prune = 0.0  # monotonic time of the next tombstone pruning
-        self.wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="hcache-reclaimer", daemon=True)
         self._thread.start()
@@ -72,7 +58,7 @@ class Reclaimer:
         milliseconds). Called under the engine's lock; it may be gone afterwards (expired)."""
         while True:
             s = self.registry.get(session_id, kind, tenant)
-            parent = self.registry.sessions.get(s.parent) if s.parent else None
+            parent = self.registry.sessions.get(s.meta.parent) if s.meta.parent else None
             if not (s.releasing or (parent is not None and parent.releasing)):
                 return s
             self.settled.wait()
@@ -85,7 +71,7 @@ class Reclaimer:
         none is (then it runs, and a full store refuses it as before). A turn bigger than the
         whole store is refused at once. Called under the engine's lock."""
         s = seq.session
-        parent = self.registry.sessions.get(s.parent) if s.parent else None
+        parent = self.registry.sessions.get(s.meta.parent) if s.meta.parent else None
         if s.releasing or (parent is not None and parent.releasing):
             return False  # queued, its chunks are being given up for room: it reads what is left
         n = len(seq.new_tokens) + (seq.params.max_new_tokens if seq.sample else 0)
@@ -147,7 +133,7 @@ class Reclaimer:
             if need <= 0:
                 break
         if wanted:
-            self.freed()
+            self.parts.work.set()  # the turn that waited for room looks again
 
     # --- retention ------------------------------------------------------------------
     def _expire(self) -> None:
@@ -181,7 +167,7 @@ class Reclaimer:
         to be released), then those whose turn is queued, then contexts that sessions use."""
         with self.lock:
             owners = list(self.registry.sessions.values())
-            used = {s.parent for s in owners if s.parent is not None}
+            used = {s.meta.parent for s in owners if s.meta.parent is not None}
             order = sorted(owners, key=lambda s: (s.id in used, s.busy, s.resident, s.last_used))
         yield from order
 
@@ -201,18 +187,18 @@ class Reclaimer:
         stores nothing is left alone (evicting it would free nothing)."""
 
         def in_use(o: Session) -> bool:
-            return o.releasing or (o.busy and not (queued_too and self.queued(o)))
+            return o.releasing or (o.busy and not (queued_too and self.scheduler.queued(o)))
 
         with self.lock:
             if self.registry.sessions.get(s.id) is not s or in_use(s):
                 return False
             if expiring and s.updated >= time.time() - self.cfg.session_ttl_s:
                 return False  # a turn ended since it was listed
-            if any(o.parent == s.id and in_use(o) for o in self.registry.sessions.values()):
+            if any(o.meta.parent == s.id and in_use(o) for o in self.registry.sessions.values()):
                 return False
             if not expiring and self.store.stored_bytes(s.id) == 0:
                 return False
-            self.evict(s)  # idle, its state durable: dropping its memory loses nothing
+            self.scheduler.evict(s)  # idle, its state durable: dropping its memory loses nothing
             s.releasing = True
             return True
 

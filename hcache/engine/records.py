@@ -1,25 +1,15 @@
-"""Typed records the engine writes and hands out: a turn's stats, a restore's result,
-the engine's state at one moment (what GetStats, /metrics and the dashboard show),
-and the session meta the manifest keeps next to a session's token ids."""
+"""Typed records the engine writes and hands out: a turn's stats, a restore's result, and
+the engine's state at one moment (what GetStats, /metrics and the dashboard show)."""
 
 from __future__ import annotations
 
-import heapq
-import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from hcache.restore.plan import Plan
 from hcache.storage.stats import DirUsage
 
-RECENT_SESSIONS = 200  # rows of the dashboard's session table
-
 if TYPE_CHECKING:
-    from hcache.engine.block_pool import BlockPool
-    from hcache.engine.scheduler import Scheduler
-    from hcache.engine.sequence import Session
-    from hcache.engine.sessions import Registry
     from hcache.storage.store import ChunkStore
 
 
@@ -154,20 +144,6 @@ class SessionRow:
     last_plan: str  # e.g. "RE 2 / H 0 / KV 28"; "" before any restore
     last_restore_ms: float | None  # None before any restore
 
-    @classmethod
-    def of(cls, s: Session) -> SessionRow:
-        p = s.last_plan
-        return cls(
-            s.id,
-            s.kind,
-            len(s.tokens),
-            s.resident,
-            s.busy,
-            s.turns,
-            p.mix() if p else "",
-            s.last_restore_ms if p else None,
-        )
-
 
 @dataclass(frozen=True)
 class StorageState:
@@ -219,83 +195,3 @@ class EngineSnapshot:
     recent: list[SessionRow]  # the most recently used sessions and contexts first
     storage: StorageState
     cluster: ClusterState | None = None  # cluster mode only
-
-    @classmethod
-    def of(
-        cls,
-        model: str,
-        draining: bool,
-        counters: Counters,
-        scheduler: Scheduler,
-        registry: Registry,
-        pool: BlockPool,
-        storage: StorageState,
-        cluster: ClusterState | None,
-    ) -> EngineSnapshot:
-        """Read under the engine's lock."""
-        owners = list(registry.sessions.values())
-        sessions = [s for s in owners if s.kind == "session"]
-        recent = heapq.nlargest(RECENT_SESSIONS, owners, key=lambda s: s.last_used)
-        per_block = pool.bytes_per_block(pool.cfg, pool.dtype)
-        return cls(
-            time=time.time(),
-            model=model,
-            draining=draining,
-            counters=replace(counters),
-            queue=scheduler.queue_depth(),
-            sessions=len(sessions),
-            contexts=len(owners) - len(sessions),
-            resident_sessions=sum(s.resident for s in sessions),
-            resident_bytes=(pool.num_blocks - pool.num_free) * per_block,
-            budget_bytes=pool.num_blocks * per_block,
-            recent=[SessionRow.of(s) for s in recent],
-            storage=storage,
-            cluster=cluster,
-        )
-
-
-@dataclass
-class SessionMeta:
-    """What the manifest keeps next to a session's token ids: enough to rebuild the session
-    after a restart, or to take it back to its last durable turn."""
-
-    prefix: list[int] = field(default_factory=list)  # token ids of the contexts placed before the conversation
-    parent: str | None = None  # the context whose stored state covers tokens[:base]
-    base: int = 0
-    messages: list[dict[str, str]] = field(default_factory=list)
-    mode: str = ""  # "" until the first turn, then "chat" or "tokens"
-    pending: int | None = None  # the last sampled token (not fed yet), token mode
-    labels: dict[str, str] = field(default_factory=dict)
-    context_ids: list[str] = field(default_factory=list)
-    turns: int = 0
-    tenant: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "prefix": list(self.prefix),
-            "parent": self.parent,
-            "base": self.base,
-            "messages": [dict(m) for m in self.messages],
-            "mode": self.mode,
-            "pending": self.pending,
-            "labels": dict(self.labels),
-            "context_ids": list(self.context_ids),
-            "turns": self.turns,
-            "tenant": self.tenant,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> SessionMeta:
-        """Missing keys take their defaults."""
-        return cls(
-            prefix=list(d.get("prefix", [])),
-            parent=d.get("parent"),
-            base=int(d.get("base", 0)),
-            messages=[dict(m) for m in d.get("messages", [])],
-            mode=d.get("mode", ""),
-            pending=d.get("pending"),
-            labels=dict(d.get("labels", {})),
-            context_ids=list(d.get("context_ids", [])),
-            turns=int(d.get("turns", 0)),
-            tenant=d.get("tenant"),
-        )

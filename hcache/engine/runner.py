@@ -11,6 +11,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +33,16 @@ from hcache.storage.store import ChunkStore
 
 log = logging.getLogger(__name__)
 COMPILING_SWITCH_S = 0.00002  # the GIL's switch interval while the decode step compiles in the background
+
+
+@dataclass
+class Progress:
+    """What a prefill slice did: jobs whose restore is done, jobs that ended (with the error
+    of those that failed), and whether anything ran."""
+
+    restored: list[Sequence] = field(default_factory=list)
+    ended: list[tuple[Sequence, Exception | None]] = field(default_factory=list)
+    worked: bool = False
 
 
 class Runner:
@@ -128,40 +139,38 @@ class Runner:
             s.cache.length = 0
         seq.steps = seq.job.run()
         seq.sampler = Sampler(seq.params)
-        seq.phase = Phase.RESTORING if plan is not None else Phase.PREFILL
 
-    def prefill(
-        self, jobs: list[Sequence], decoding: list[Sequence], ended: Callable[[Sequence, Exception | None], None]
-    ) -> bool:
-        """Restore+prefill work, a layer at a time; `ended` hears of each job that finished or
-        failed. While others decode, a time slice per step (their TBT grows by at most about
-        the slice plus one layer); otherwise until every job waits on storage."""
-        worked = False
+    def prefill(self, jobs: list[Sequence], decoding: list[Sequence]) -> Progress:
+        """Restore+prefill work, a layer at a time. While others decode, a time slice per step
+        (their TBT grows by at most about the slice plus one layer); otherwise until every
+        job waits on storage."""
+        out = Progress()
         deadline = time.perf_counter() + self.cfg.prefill_slice_ms / 1e3 if decoding else math.inf
         for seq in list(jobs):
             while time.perf_counter() < deadline:
                 try:
                     did = next(seq.steps)
                 except StopIteration:
-                    ended(seq, None)
-                    worked = True
+                    out.ended.append((seq, None))
+                    out.worked = True
                     break
                 except Exception as e:
                     log.exception("prefill of %s failed", seq.session.id)
-                    ended(seq, e if isinstance(e, EngineError) else EngineError(f"prefill failed: {e}"))
-                    worked = True
+                    out.ended.append((seq, e if isinstance(e, EngineError) else EngineError(f"prefill failed: {e}")))
+                    out.worked = True
                     break
                 if not did:  # storage is behind: let the next job or a decode step run
                     if not decoding and seq.job is not None:
                         seq.job.wait_storage(0.005)  # nothing else to run: block on the read a moment
-                        worked = True
+                        out.worked = True
                     break
-                worked = True
-                if seq.phase == Phase.RESTORING and seq.job is not None and seq.job.report.restore_ms:
-                    seq.phase = Phase.PREFILL
+                out.worked = True
+                restored = seq.job is not None and seq.job.report.restore_ms
+                if restored and seq.phase == Phase.RESTORING and seq not in out.restored:
+                    out.restored.append(seq)
             if time.perf_counter() >= deadline:
                 break
-        return worked
+        return out
 
     def first_token(self, seq: Sequence) -> int:
         assert seq.job is not None and seq.job.last_hidden is not None and seq.sampler is not None
@@ -204,10 +213,8 @@ class Runner:
         for c in caches:
             c.reserve(1)
         pool = caches[0].pool
-        out = self.graph(
-            [q.generated[-1] for q in batch], positions, [c.length for c in caches], [c.blocks for c in caches],
-            pool.k, pool.v,
-        )  # fmt: skip
+        tokens = [q.generated[-1] for q in batch]
+        out = self.graph(tokens, positions, [c.length for c in caches], [c.blocks for c in caches], pool.k, pool.v)
         for c in caches:
             c.length += 1
         return out

@@ -1,7 +1,8 @@
 """Which sequence runs when: the queues by phase (waiting for blocks, prefilling, which
 covers restoring, and decoding), admission against the block pool with LRU eviction of
 idle resident sessions (their state is already stored, so eviction is free), and the
-decode batch, round robin past `max_batch`. The engine calls it under its lock."""
+decode batch, round robin past `max_batch`. A sequence's phase changes here only, with the
+queue it is in. The engine calls it under its lock."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from collections.abc import Iterator
 from hcache.engine.block_pool import BLOCK_TOKENS, BlockPool, PagedCache
 from hcache.engine.errors import ResourceExhausted
 from hcache.engine.records import Counters, QueueDepth
-from hcache.engine.sequence import Phase, Sequence, Session
+from hcache.engine.sequence import Phase, Sequence
+from hcache.engine.session import Session
 
 
 class Scheduler:
@@ -98,8 +100,14 @@ class Scheduler:
         ran = {id(q) for q in batch}
         self.decoding[:] = [q for q in self.decoding if id(q) not in ran] + [q for q in self.decoding if id(q) in ran]
 
-    def to_prefill(self, seq: Sequence) -> None:
+    def to_prefill(self, seq: Sequence, restoring: bool) -> None:
+        seq.phase = Phase.RESTORING if restoring else Phase.PREFILL
         self.prefilling.append(seq)
+
+    def restored(self, seq: Sequence) -> None:
+        """Its restore is done; its prompt's prefill runs on."""
+        if seq.phase == Phase.RESTORING:
+            seq.phase = Phase.PREFILL
 
     def to_decode(self, seq: Sequence) -> None:
         """After its first token: a sequence stays in a queue until it ends, so a failed step fails it."""
@@ -107,7 +115,9 @@ class Scheduler:
         seq.phase = Phase.DECODE
         self.decoding.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
+    def finished(self, seq: Sequence) -> None:
+        """Done or failed: out of every queue."""
         for q in (self.prefilling, self.decoding):
             if seq in q:
                 q.remove(seq)
+        seq.phase = Phase.FINISHED

@@ -1,6 +1,6 @@
-"""Per-session and per-request state. A Session is a conversation (or a context)
-whose state lives in the store; a Sequence is one Generate (or restore) moving
-through the phases WAITING -> RESTORING -> PREFILL -> DECODE -> FINISHED."""
+"""A Sequence is one Generate (or restore) on a session, moving through the phases
+WAITING -> RESTORING -> PREFILL -> DECODE -> FINISHED (the scheduler moves it), and the
+events its stream sends."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol
+from typing import Protocol
 
-from hcache.engine.block_pool import PagedCache
+from hcache.engine.detokenizer import TextStream
 from hcache.engine.prefill import PrefillJob
-from hcache.engine.records import PlanSummary, RestoreResult, SessionMeta, TurnStats
+from hcache.engine.records import PlanSummary, RestoreResult, TurnStats
 from hcache.engine.sampler import Sampler, SamplingParams
+from hcache.engine.session import Session
 from hcache.restore.plan import Method, Plan
 from hcache.storage.catalogue import Lease
-from hcache.storage.fetched import Fetched
 
 
 class Phase(str, Enum):
@@ -27,150 +27,6 @@ class Phase(str, Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     FINISHED = "finished"
-
-
-@dataclass
-class Session:
-    id: str
-    kind: str  # "session" | "context"
-    prefix: list[int]  # token ids of the contexts placed before the conversation
-    parent: str | None  # the context whose stored state covers tokens[:base]
-    base: int
-    tokens: list[int]  # every token whose state exists (prefix included), as durable
-    messages: list[dict[str, str]] = field(default_factory=list)
-    mode: str = ""  # "" until the first turn, then "chat" or "tokens"
-    pending: int | None = None  # the last sampled token (not fed yet), token mode
-    labels: dict[str, str] = field(default_factory=dict)
-    context_ids: list[str] = field(default_factory=list)
-    turns: int = 0
-    created: float = field(default_factory=time.time)
-    updated: float = field(default_factory=time.time)
-    cache: PagedCache | None = None  # resident KV
-    busy: bool = False
-    releasing: bool = False  # the reclaimer is giving up its chunks or expiring it
-    last_used: float = field(default_factory=time.monotonic)
-    last_plan: Plan | None = None
-    last_restore_ms: float = 0.0
-    error: str | None = None  # why this session cannot be restored (e.g. another model's state)
-    tenant: str | None = None  # the API key's tenant that owns it (None: no keys configured)
-    # the token ids of its last acknowledged turn when those run ahead of (or apart from) the
-    # local state in `tokens`: another replica ran turns on it (cluster mode); None: `tokens`
-    history: list[int] | None = None
-    # rows of the tokens in `tokens` past the durable ones, fetched from the cluster for the
-    # turn about to run (which restores from them and stages them); the session stays busy
-    fetched: Fetched | None = None
-
-    @property
-    def resident(self) -> bool:
-        return self.cache is not None
-
-    def drop_fetched(self) -> None:
-        """The turn that fetched rows did not start: back to the durable state, the record's
-        tokens past it to be fetched or recomputed by the next turn."""
-        f, self.fetched = self.fetched, None
-        if f is not None:
-            f.release()
-            if self.history is None:
-                self.history = list(self.tokens)
-            del self.tokens[self.base + f.start :]
-
-    @property
-    def own_tokens(self) -> list[int]:
-        return self.tokens[self.base :]
-
-    @property
-    def index_as(self) -> str | None:
-        """The namespace (its tenant's) under which a chat session's stored prefixes are found
-        by resent conversations; None for sessions on a context or fed token ids."""
-        if self.kind != "session" or self.parent is not None or self.prefix or self.mode != "chat":
-            return None
-        return "tenant:" + self.tenant if self.tenant is not None else "-"
-
-    @property
-    def acknowledged(self) -> list[int]:
-        """The token ids a new turn continues."""
-        return self.history if self.history is not None else self.tokens
-
-    def meta(self) -> SessionMeta:
-        """What the manifest keeps next to the token ids (restored after a restart)."""
-        return SessionMeta(
-            prefix=self.prefix,
-            parent=self.parent,
-            base=self.base,
-            messages=self.messages,
-            mode=self.mode,
-            pending=self.pending,
-            labels=self.labels,
-            context_ids=self.context_ids,
-            turns=self.turns,
-            tenant=self.tenant,
-        )
-
-    @classmethod
-    def from_meta(
-        cls, sid: str, kind: str, meta: SessionMeta, tokens: list[int], created: float, updated: float
-    ) -> Session:
-        m = meta
-        return cls(
-            id=sid,
-            kind=kind,
-            prefix=m.prefix,
-            parent=m.parent,
-            base=m.base,
-            tokens=tokens,
-            messages=m.messages,
-            mode=m.mode,
-            pending=m.pending,
-            labels=m.labels,
-            context_ids=m.context_ids,
-            turns=m.turns,
-            tenant=m.tenant,
-            created=created,
-            updated=updated,
-        )
-
-    def rewind(self, meta: SessionMeta) -> None:
-        """Back to the conversation a stored meta describes (its last durable turn)."""
-        self.messages, self.mode, self.pending, self.turns = meta.messages, meta.mode, meta.pending, meta.turns
-
-
-class TextStream:
-    """Incremental detokenization with stop strings: emits only text that is final (no
-    half of a multi-byte character, nothing that could still turn into a stop string)."""
-
-    def __init__(self, decode: Any, stops: list[str]):
-        self.decode, self.stops = decode, [s for s in stops if s]
-        self.ids: list[int] = []
-        self.sent = 0  # characters of the full text already emitted
-        self.text = ""
-        self.stopped = False
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        self.text = self.decode(self.ids)
-        for s in self.stops:
-            at = self.text.find(s)
-            if at >= 0:
-                self.text = self.text[:at]
-                self.stopped = True
-        if self.stopped:
-            return self.flush()
-        safe = len(self.text)
-        if self.text.endswith("\ufffd"):
-            safe = len(self.text.rstrip("\ufffd"))
-        for s in self.stops:  # hold back a tail that is a prefix of a stop string
-            for k in range(min(len(s) - 1, safe), 0, -1):
-                if self.text[:safe].endswith(s[:k]):
-                    safe -= k
-                    break
-        out = self.text[self.sent : max(self.sent, safe)]
-        self.sent = max(self.sent, safe)
-        return out
-
-    def flush(self) -> str:
-        out = self.text[self.sent :]
-        self.sent = len(self.text)
-        return out
 
 
 @dataclass
@@ -250,15 +106,15 @@ class Sequence:
 
     def end_turn(self, decode: Callable[[list[int]], str]) -> None:
         """The reply joins the session's conversation (chat), or waits to be fed (token turns)."""
-        s = self.session
+        m = self.session.meta
         assert self.text is not None
-        if s.mode == "chat":
+        if m.mode == "chat":
             reply = self.text.text if self.text.stopped else decode(self.generated)
             user = {"role": "user", "content": self.user_message or ""}
-            s.messages = [*s.messages, user, {"role": "assistant", "content": reply}]
+            m.messages = [*m.messages, user, {"role": "assistant", "content": reply}]
         else:
-            s.pending = self.generated[-1]
-        s.turns += 1
+            m.pending = self.generated[-1]
+        m.turns += 1
 
     def turn_stats(self) -> TurnStats:
         rep = self.job.report if self.job else None

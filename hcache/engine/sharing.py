@@ -13,16 +13,22 @@ from hcache.storage.catalogue import Lease
 
 if TYPE_CHECKING:
     from hcache.engine.lock import EngineLock
-    from hcache.engine.reclaimer import Reclaimer
     from hcache.engine.records import ClusterState
+    from hcache.engine.registry import Registry
     from hcache.engine.sampler import SamplingParams
     from hcache.engine.scheduler import Scheduler
-    from hcache.engine.sequence import Sequence, Session
-    from hcache.engine.sessions import Registry
+    from hcache.engine.sequence import Sequence
+    from hcache.engine.session import Session
     from hcache.model.base import DecoderModel
     from hcache.restore.profile import Profile
     from hcache.storage.fetched import Fetched
     from hcache.storage.store import ChunkStore
+
+
+class Settles(Protocol):
+    def settle(self, session_id: str, tenant: str | None, kind: str = "session") -> Session:
+        """The session once no storage release holds it (the reclaimer's)."""
+        ...
 
 
 class Host(Protocol):
@@ -33,7 +39,7 @@ class Host(Protocol):
     profile: Profile
     registry: Registry
     scheduler: Scheduler
-    reclaimer: Reclaimer
+    reclaimer: Settles
     lock: EngineLock
 
     def sequence(

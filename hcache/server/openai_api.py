@@ -33,7 +33,8 @@ from hcache.engine.engine import Engine
 from hcache.engine.errors import InvalidArgument, Unavailable
 from hcache.engine.records import TurnStats
 from hcache.engine.sampler import SamplingParams
-from hcache.engine.sequence import Event, Sequence, Session
+from hcache.engine.sequence import Event, Sequence
+from hcache.engine.session import Session
 from hcache.server.auth import digest
 from hcache.server.errors import status_of
 
@@ -197,7 +198,7 @@ def _start(
         raise ApiError(400, "the last message must be the user's", "invalid_request", "messages")
     if sid:
         s = engine.get(sid, who)
-        stored = s.messages
+        stored = s.meta.messages
         if len(msgs) != len(stored) + 1 or msgs[: len(stored)] != stored:
             raise ApiError(
                 400,

@@ -13,7 +13,8 @@ from hcache.engine.engine import Engine
 from hcache.engine.errors import InvalidArgument
 from hcache.engine.records import EngineSnapshot, PlanSummary, RestoreResult, TurnStats
 from hcache.engine.sampler import SamplingParams
-from hcache.engine.sequence import Event, Session
+from hcache.engine.sequence import Event
+from hcache.engine.session import Session
 from hcache.restore.plan import Method
 from hcache.server.auth import tenant_var
 from hcache.v1 import hcache_pb2 as pb
@@ -38,9 +39,9 @@ def session_pb(s: Session) -> pb.Session:
         session_id=s.id,
         num_tokens=len(s.acknowledged),
         resident=s.resident,
-        labels=s.labels,
-        context_ids=s.context_ids,
-        turns=s.turns,
+        labels=s.meta.labels,
+        context_ids=s.meta.context_ids,
+        turns=s.meta.turns,
         busy=s.busy,
         last_plan=plan_pb(PlanSummary.of(s.last_plan)),
         last_restore_ms=s.last_restore_ms,
@@ -50,7 +51,7 @@ def session_pb(s: Session) -> pb.Session:
 
 
 def context_pb(c: Session) -> pb.Context:
-    return pb.Context(context_id=c.id, num_tokens=len(c.tokens), labels=c.labels)
+    return pb.Context(context_id=c.id, num_tokens=len(c.tokens), labels=c.meta.labels)
 
 
 def event_pb(ev: Event) -> pb.GenerateResponse:

@@ -72,7 +72,7 @@ def test_any_replica_continues_any_session_token_for_token(model, pair):
     rec = a.sharing.link.get(s.id)
     assert rec is not None and rec.turns == 5 and rec.tokens == h.fed[:-1]
     view = b.get(s.id)
-    assert view.turns == 5 and len(view.acknowledged) == len(h.fed) - 1
+    assert view.meta.turns == 5 and len(view.acknowledged) == len(h.fed) - 1
     assert a.sharing.link.counters.commits == 3 and b.sharing.link.counters.commits == 2
 
 

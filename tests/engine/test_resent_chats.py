@@ -41,12 +41,12 @@ def test_resent_chat_forks_the_longest_stored_one_and_stays_exact(default_model,
                 common = min(common_prefix(parent.tokens, ids), len(ids) - 1)
                 assert shared == common >= CHUNK_TOKENS and shared % CHUNK_TOKENS
                 assert shared >= len(parent.tokens) - 2  # at most the reply's end is retokenized
-                before = (list(parent.tokens), [dict(m) for m in parent.messages])
+                before = (list(parent.tokens), [dict(m) for m in parent.meta.messages])
             got, stats = turn(eng, s.id, message=t, params=PARAMS)
             assert got == want, i
             assert stats["cached_tokens"] == shared
             if i:
-                assert (parent.tokens, parent.messages) == before  # the stored one stays as it was
+                assert (parent.tokens, parent.meta.messages) == before  # the stored one stays as it was
             msgs.append({"role": "assistant", "content": tok.decode(got)})
             forks.append(s)
         assert eng.counters.prefix_matches == len(TURNS) - 1 and eng.counters.prefix_tokens > 0

@@ -145,7 +145,7 @@ def test_four_turns_resent_in_full_without_a_session_id_match_grpc(live):
                 cached = r.usage.prompt_tokens_details.cached_tokens
                 assert 64 < cached < r.usage.prompt_tokens, cached
                 # the sessions it shares with keep their own conversations
-                assert [live.engine.get(sid, "alice").messages for sid in seen] == [
+                assert [live.engine.get(sid, "alice").meta.messages for sid in seen] == [
                     msgs[: 2 * k + 3] for k in range(len(seen))
                 ]
             seen.append(r.session_id)
@@ -195,7 +195,7 @@ def test_hostile_bodies_get_4xx_and_change_nothing(live):
     r = c.chat.completions.create(model="default", messages=msgs, temperature=0, max_tokens=3)
     sid = r.session_id
     before = live.engine.get(sid, "alice")
-    snapshot = (list(before.tokens), [dict(m) for m in before.messages], before.turns)
+    snapshot = (list(before.tokens), [dict(m) for m in before.meta.messages], before.meta.turns)
     ok_history = [*msgs, {"role": "assistant", "content": r.choices[0].message.content}]
     sessions = {x.id for x in live.engine.list(tenant="alice")}
     bad = [
@@ -219,14 +219,14 @@ def test_hostile_bodies_get_4xx_and_change_nothing(live):
         assert err["message"] and "Traceback" not in err["message"] and err["type"]
     assert {x.id for x in live.engine.list(tenant="alice")} == sessions  # refused new conversations left none
     after = live.engine.get(sid, "alice")
-    assert (list(after.tokens), [dict(m) for m in after.messages], after.turns) == snapshot
+    assert (list(after.tokens), [dict(m) for m in after.meta.messages], after.meta.turns) == snapshot
 
 
 def test_a_dropped_stream_keeps_its_partial_turn(live):
     c = oai(live)
     r = c.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
     sid = r.session_id
-    turns = live.engine.get(sid, "alice").turns
+    turns = live.engine.get(sid, "alice").meta.turns
     msgs = [
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": r.choices[0].message.content},
@@ -245,9 +245,9 @@ def test_a_dropped_stream_keeps_its_partial_turn(live):
     while live.engine.get(sid, "alice").busy and time.monotonic() < deadline:
         time.sleep(0.1)
     s = live.engine.get(sid, "alice")
-    assert s.turns == turns + 1 and not s.busy
-    assert s.messages[-1]["role"] == "assistant" and s.messages[-1]["content"]
-    assert len(live.engine.tok.encode(s.messages[-1]["content"])) < 200  # cut short, kept
+    assert s.meta.turns == turns + 1 and not s.busy
+    assert s.meta.messages[-1]["role"] == "assistant" and s.meta.messages[-1]["content"]
+    assert len(live.engine.tok.encode(s.meta.messages[-1]["content"])) < 200  # cut short, kept
 
 
 @pytest.fixture
