@@ -171,7 +171,8 @@ def _plan(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from hcache.config import ModelConfig, hcache_home
+    from hcache.config import hcache_home
+    from hcache.model.geometry import ModelConfig
     from hcache.restore.partitioner import partition
     from hcache.restore.presets import MODELS
     from hcache.restore.profile import Geometry, Profile

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from hcache.config import ModelConfig, StorageConfig
+from hcache.config import StorageConfig
+from hcache.model.geometry import ModelConfig
 from hcache.storage.layout import Kind, stored
 from hcache.storage.store import ChunkStore
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from hcache.cli import main
-from hcache.config import ModelConfig
+from hcache.model.geometry import ModelConfig
 
 
 def test_missing_model_is_a_clear_error(tmp_path, capsys) -> None:

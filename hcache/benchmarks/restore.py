@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 
 from hcache.benchmarks import report
-from hcache.config import ModelConfig, StorageConfig
+from hcache.config import StorageConfig
 from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
+from hcache.model.geometry import ModelConfig
 from hcache.model.llama import Llama
 from hcache.model.loader import DEFAULT_GEOMETRY, load
 from hcache.restore import profiler

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from hcache.benchmarks import report
-from hcache.config import ModelConfig, StorageConfig
+from hcache.config import StorageConfig
+from hcache.model.geometry import ModelConfig
 from hcache.storage.dirs import ensure_dirs
 from hcache.storage.layout import Kind
 from hcache.storage.slab import aligned_buffer

@@ -11,10 +11,10 @@ import bisect
 
 import torch
 
-from hcache.config import ModelConfig
 from hcache.model.attention import causal_attention, decode_mask, key_width
 from hcache.model.base import DecoderModel
 from hcache.model.decode import BLOCK_TOKENS, Paged
+from hcache.model.geometry import ModelConfig
 
 
 def resident_kv_dtype(choice: str, model: DecoderModel) -> torch.dtype:

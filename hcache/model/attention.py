@@ -12,10 +12,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from hcache.config import ModelConfig
 from hcache.kernels import native
 from hcache.kernels.cpu import cpu
 from hcache.kernels.fused import own_code
+from hcache.model.geometry import ModelConfig
 
 
 class KVCache:

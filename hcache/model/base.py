@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hcache.config import ModelConfig
 from hcache.model.cache import Cache
+from hcache.model.geometry import ModelConfig
 from hcache.model.quant import Int4Linear
 
 # where a layer's K and V `[T, kv_heads, head_dim]` go (a KV cache's rows), or None: new tensors

@@ -7,8 +7,8 @@ import math
 import torch
 from torch import nn
 
-from hcache.config import ModelConfig
 from hcache.kernels.fused import rms_norm, rope
+from hcache.model.geometry import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hcache.config import ModelConfig
 from hcache.model.base import DecoderLayer, DecoderModel, KVOut
 from hcache.model.cache import Cache
+from hcache.model.geometry import ModelConfig
 from hcache.model.layers import RMSNorm, Rope, apply_rope, linear_into
 from hcache.model.quant import Int4Linear
 

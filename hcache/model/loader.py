@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from hcache.config import ARCH_LLAMA, ARCH_OPT, ModelConfig
 from hcache.model.base import DecoderModel
+from hcache.model.geometry import ARCH_LLAMA, ARCH_OPT, ModelConfig
 from hcache.model.llama import Llama, LlamaLayer
 from hcache.model.opt import OPT
 from hcache.model.quant import WEIGHT_MODES, Int4Linear, Int8Embedding, Int8Rows, int4_from_float, q4_1_groups

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hcache.config import ModelConfig
 from hcache.model.base import DecoderLayer, DecoderModel, KVOut
 from hcache.model.cache import Cache
+from hcache.model.geometry import ModelConfig
 from hcache.model.layers import linear_into
 
 POSITION_OFFSET = 2  # OPT reserves the first two rows of its position table

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from hcache.config import ModelConfig
+from hcache.model.geometry import ModelConfig
 from hcache.storage.layout import Kind
 
 TOKEN_ID_BYTES = 4

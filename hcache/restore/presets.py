@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hcache.config import ARCH_LLAMA, ARCH_OPT, ModelConfig
+from hcache.model.geometry import ARCH_LLAMA, ARCH_OPT, ModelConfig
 
 
 @dataclass(frozen=True)

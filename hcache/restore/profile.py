@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hcache.config import ARCH_OPT, ModelConfig
+from hcache.model.geometry import ARCH_OPT, ModelConfig
 
 
 @dataclass(frozen=True)

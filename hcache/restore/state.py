@@ -9,8 +9,8 @@ from typing import Protocol
 
 import torch
 
-from hcache.config import ModelConfig
 from hcache.model.attention import KVCache
+from hcache.model.geometry import ModelConfig
 from hcache.restore.plan import Plan
 
 

@@ -141,7 +141,7 @@ def build_app(metrics: Metrics, keys: dict[str, str] | None = None) -> FastAPI:
 
     @app.get("/api/dashboard")
     def dashboard_feed() -> JSONResponse:
-        return JSONResponse(metrics.dashboard())
+        return JSONResponse(metrics.dashboard.json())
 
     @app.get("/static/{path:path}")
     def static(path: str) -> Response:
@@ -201,7 +201,7 @@ class SidePort:
     def _sample(self) -> None:
         while not self._stop.wait(2.0):
             try:
-                self.metrics.sample_rates()
+                self.metrics.dashboard.sample_rates()
             except Exception:
                 log.exception("sampling storage rates")
 

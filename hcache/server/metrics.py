@@ -1,40 +1,29 @@
-"""What operators watch: Prometheus metrics (through prometheus_client, on its own
-registry) and the rolling history the dashboard draws. The engine reports events
-through the `Telemetry` hooks; store and engine state is read at scrape time."""
+"""Prometheus metrics (through prometheus_client, on its own registry). The engine reports
+events through the `Telemetry` hooks, which also feed the dashboard's history
+(dashboard.py); store and engine state is read at scrape time."""
 
 from __future__ import annotations
 
 import re
 import threading
-import time
 from collections import Counter as Tally
-from collections import deque
 from collections.abc import Iterator
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hcache.engine.records import ClusterState, StorageState
+from hcache.engine.records import ClusterState
 from hcache.engine.telemetry import Telemetry
 from hcache.kernels.cpu import cpu
+from hcache.server.dashboard import Dashboard
 
 if TYPE_CHECKING:
     from hcache.engine.engine import Engine
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TBT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
-BUCKET_S = 10  # dashboard history resolution
-HISTORY = 90  # buckets kept (15 minutes)
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 class Metrics(Telemetry):
@@ -59,142 +48,28 @@ class Metrics(Telemetry):
         )
         self.requests = Counter("hcache_requests", "RPCs by method and status code", ["rpc", "code"], registry=r)
         Info("hcache_cpu", "The CPU kind and the kernel each hot path takes on it", registry=r).info(cpu().paths())
-        self._lock = threading.Lock()
-        self._buckets: deque[dict[str, Any]] = deque(maxlen=HISTORY)
-        self._rates: dict[str, tuple[float, float]] = {}  # dir -> (read MB/s, write MB/s)
-        self._last: tuple[float, list[int], list[int]] | None = None
+        self.dashboard = Dashboard()
         self.engine: Engine | None = None
         r.register(_ThreadCollector())
 
     def attach(self, engine: Engine) -> None:
         """Read engine and store state at scrape time; time flushes."""
-        self.engine = engine
+        self.engine = self.dashboard.engine = engine
         self.registry.register(_StateCollector(engine))
         engine.store.on_flush = lambda d, s: self.flush.labels(str(engine.store.dirs[d])).observe(s)
 
     # --- Telemetry hooks (called on the engine's threads) ---------------------------
-    def _bucket(self) -> dict[str, Any]:
-        now = int(time.time()) // BUCKET_S * BUCKET_S
-        if not self._buckets or self._buckets[-1]["t"] != now:
-            self._buckets.append({"t": now, "mix": Tally(), "ttft": [], "tbt": [], "restore_ms": []})
-        return self._buckets[-1]
-
     def on_restore(self, methods: str, plan: str, ms: float) -> None:
         self.restore_seconds.labels(methods, plan).observe(ms / 1e3)
-        with self._lock:
-            b = self._bucket()
-            b["mix"][methods] += 1
-            b["restore_ms"].append(ms)
+        self.dashboard.history.restore(methods, ms)
 
     def on_ttft(self, ms: float) -> None:
         self.ttft.observe(ms / 1e3)
-        with self._lock:
-            self._bucket()["ttft"].append(ms)
+        self.dashboard.history.add("ttft", ms)
 
     def on_tbt(self, ms: float) -> None:
         self.tbt.observe(ms / 1e3)
-        with self._lock:
-            self._bucket()["tbt"].append(ms)
-
-    # --- dashboard --------------------------------------------------------------------
-    def sample_rates(self) -> None:
-        """Per-directory read/write MB/s since the previous sample (the HTTP server calls this every 2 s)."""
-        if self.engine is None:
-            return
-        st = StorageState.of(self.engine.store)  # the snapshot's storage part, without the engine's lock
-        now = time.monotonic()
-        reads = st.read_bytes_by_dir
-        writes = [u.bytes_written for u in st.dirs]
-        if self._last is not None:
-            t0, r0, w0 = self._last
-            dt = max(1e-6, now - t0)
-            for d, u in enumerate(st.dirs):
-                self._rates[u.path] = ((reads[d] - r0[d]) / dt / 1e6, (writes[d] - w0[d]) / dt / 1e6)
-        self._last = (now, reads, writes)
-
-    def dashboard(self) -> dict[str, Any]:
-        assert self.engine is not None
-        snap = self.engine.snapshot()
-        rows = [
-            {
-                "id": r.id,
-                "kind": r.kind,
-                "tokens": r.tokens,
-                "resident": r.resident,
-                "busy": r.busy,
-                "turns": r.turns,
-                "plan": r.last_plan,
-                "restore_ms": None if r.last_restore_ms is None else round(r.last_restore_ms, 1),
-            }
-            for r in snap.recent
-        ]
-        storage = []
-        for u in snap.storage.dirs:
-            rd, wr = self._rates.get(u.path, (0.0, 0.0))
-            storage.append(
-                {
-                    "path": u.path,
-                    "used_bytes": u.used_bytes,
-                    "free_bytes": u.fs_free_bytes,
-                    "quota_bytes": u.quota_bytes,
-                    "chunks": u.chunks,
-                    "read_mbps": rd,
-                    "write_mbps": wr,
-                }
-            )
-        with self._lock:
-            history = [
-                {
-                    "t": b["t"],
-                    "mix": dict(b["mix"]),
-                    "ttft_p50": _pct(b["ttft"], 0.5),
-                    "ttft_p99": _pct(b["ttft"], 0.99),
-                    "tbt_p50": _pct(b["tbt"], 0.5),
-                    "tbt_p99": _pct(b["tbt"], 0.99),
-                    "restore_p50": _pct(b["restore_ms"], 0.5),
-                }
-                for b in self._buckets
-            ]
-        c = snap.counters
-        cl = snap.cluster
-        cluster = None
-        if cl is not None:
-            cluster = {
-                "url": cl.url,
-                "replica": cl.replica,
-                "up": not cl.problems,
-                "problems": cl.problems,
-                "checked": cl.checked,
-                **asdict(cl.counters),
-            }
-        return {
-            "time": snap.time,
-            "cluster": cluster,
-            "model": snap.model,
-            "draining": snap.draining,
-            "sessions": rows,
-            "storage": storage,
-            "history": history,
-            "totals": {
-                "sessions": snap.sessions,
-                "resident_sessions": snap.resident_sessions,
-                "resident_bytes": snap.resident_bytes,
-                "budget_bytes": snap.budget_bytes,
-                "restores": c.restores,
-                "evictions": c.evictions,
-                "fallback_layers": c.fallback_layers,
-                "checksum_failures": snap.storage.checksum_failures,
-                "store_capacity_bytes": snap.storage.capacity_bytes,
-                "store_occupied_bytes": snap.storage.occupied_bytes,
-                "bytes_released": snap.storage.bytes_released,
-                "demotions": snap.storage.demotions,
-                "expiries": c.expiries,
-                "prefix_matches": c.prefix_matches,
-                "prefix_tokens": c.prefix_tokens,
-                "generated_tokens": c.generated_tokens,
-                "queue_depth": snap.queue.by_phase(),
-            },
-        }
+        self.dashboard.history.add("tbt", ms)
 
 
 class _ThreadCollector(Collector):

@@ -12,7 +12,7 @@ from enum import Enum
 import torch
 import xxhash
 
-from hcache.config import ModelConfig
+from hcache.model.geometry import ModelConfig
 
 CHUNK_TOKENS = 64
 ALIGN = 4096

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from hcache.config import ModelConfig, StorageConfig
+from hcache.config import StorageConfig
+from hcache.model.geometry import ModelConfig
 from hcache.storage.buffers import LayerBuffers, chunk_pools
 from hcache.storage.capacity import Space, dir_quota, release_order, to_release
 from hcache.storage.errors import FingerprintMismatch, StorageError, StoreLocked

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from hcache.config import ModelConfig
+from hcache.model.geometry import ModelConfig
 from hcache.model.llama import Llama
 from hcache.model.loader import _unpermute, build_model
 
