@@ -2,7 +2,7 @@
 across restarts. Several directories (one per device), slab files of fixed slots,
 a SQLite manifest, two-stage saving (staging ring -> packer -> per-directory
 writers) and coalesced, checksummed reads. The store is a front over its parts:
-placement, buffer pools, the flusher's threads, the read pool and the stats."""
+placement, buffer pools, the packer and writer threads, the read pool and the stats."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from hcache.config import StorageConfig
 from hcache.model.geometry import ModelConfig
 from hcache.storage.buffers import LayerBuffers, chunk_pools
 from hcache.storage.capacity import Space, dir_quota, release_order, to_release
+from hcache.storage.dir_writer import DirWriter
 from hcache.storage.errors import FingerprintMismatch, StorageError, StoreLocked
-from hcache.storage.flusher import DirWriter, FlushTail, Forget, Packer
 from hcache.storage.layout import (
     CHUNK_TOKENS,
     ChunkShape,
@@ -37,6 +37,7 @@ from hcache.storage.layout import (
 )
 from hcache.storage.manifest import OwnerRow, open_manifest
 from hcache.storage.outbox import Outbox
+from hcache.storage.packer import FlushTail, Forget, Packer
 from hcache.storage.placement import Placement
 from hcache.storage.prefixes import prefix_hashes
 from hcache.storage.reader import OwnerReader, Want, read_chunk
