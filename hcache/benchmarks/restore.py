@@ -232,8 +232,22 @@ def run(
                             state = "prefill" if real else "synthetic"
                             tps = n / ms * 1e3 if ms else None
                             busy_ms = statistics.median(busy[method]) if method in busy else None
-                            r = Row(name, n, nd, cap, method, label, ms, pred, tps, nbytes[method], wait, state,
-                                    compute_ms=busy_ms, bound_ms=bound)  # fmt: skip
+                            r = Row(
+                                name,
+                                n,
+                                nd,
+                                cap,
+                                method,
+                                label,
+                                ms,
+                                pred,
+                                tps,
+                                nbytes[method],
+                                wait,
+                                state,
+                                compute_ms=busy_ms,
+                                bound_ms=bound,
+                            )
                             group.append(r)
                             log(
                                 f"  {n:>6} tok {nd} dirs cap {cap or '-':>4} {method:>9}: {_fmt(ms)} ms "
@@ -262,10 +276,17 @@ def print_table(rows: list[Row]) -> None:
         t.add_column(col, justify="left" if col in ("model", "method", "plan") else "right")
     for r in rows:
         t.add_row(
-            r.model, str(r.tokens), str(r.dirs), f"{r.cap_gbps:g}" if r.cap_gbps else "-", r.method, r.plan,
-            _fmt(r.ms), f"{r.predicted_ms:.0f}", f"{r.bytes_read / 1e6:.0f}",
+            r.model,
+            str(r.tokens),
+            str(r.dirs),
+            f"{r.cap_gbps:g}" if r.cap_gbps else "-",
+            r.method,
+            r.plan,
+            _fmt(r.ms),
+            f"{r.predicted_ms:.0f}",
+            f"{r.bytes_read / 1e6:.0f}",
             f"{r.speedup_vs_best_single:.2f}" if r.speedup_vs_best_single else "-",
-        )  # fmt: skip
+        )
     Console(width=170).print(t)
 
 
@@ -285,11 +306,18 @@ def targets(rows: list[Row]) -> dict:
         best = min(singles.values(), key=lambda r: r.ms or 0)
         same = [m for m, r in singles.items() if r.plan == auto.plan]
         row = {
-            "model": model, "tokens": n, "dirs": nd, "cap_gbps": cap, "auto_ms": auto.ms, "auto_plan": auto.plan,
-            "best_single": best.method, "best_single_ms": best.ms, "auto_vs_best": best.ms / auto.ms,
+            "model": model,
+            "tokens": n,
+            "dirs": nd,
+            "cap_gbps": cap,
+            "auto_ms": auto.ms,
+            "auto_plan": auto.plan,
+            "best_single": best.method,
+            "best_single_ms": best.ms,
+            "auto_vs_best": best.ms / auto.ms,
             "same_plan_as": same[0] if same else None,
             "auto_ok": auto.ms <= 1.03 * (best.ms or 0),
-        }  # fmt: skip
+        }
         for m in ("KV", "H", "RE"):
             if m in singles:
                 row[f"auto_speedup_vs_{m}"] = (singles[m].ms or 0) / auto.ms
@@ -315,16 +343,36 @@ def print_targets(t: dict) -> None:
         title="targets: auto vs the best single method (same plan: noise only); speedups of auto; the most any "
         "plan could gain over each method here (predicted single-method time / the cost model's lower bound)"
     )
-    for col in ("model", "tokens", "dirs", "cap", "auto plan", "best single", "best/auto", "same plan as", "vs KV",
-                "vs H", "vs RE", "max vs KV", "max vs H", "max vs RE"):  # fmt: skip
+    for col in (
+        "model",
+        "tokens",
+        "dirs",
+        "cap",
+        "auto plan",
+        "best single",
+        "best/auto",
+        "same plan as",
+        "vs KV",
+        "vs H",
+        "vs RE",
+        "max vs KV",
+        "max vs H",
+        "max vs RE",
+    ):
         tab.add_column(col, justify="left" if col in ("model", "auto plan", "best single", "same plan as") else "right")
     for c in t["configs"]:
         tab.add_row(
-            c["model"], str(c["tokens"]), str(c["dirs"]), f"{c['cap_gbps']:g}" if c["cap_gbps"] else "-",
-            c["auto_plan"], c["best_single"], f"{c['auto_vs_best']:.2f}", c["same_plan_as"] or "",
+            c["model"],
+            str(c["tokens"]),
+            str(c["dirs"]),
+            f"{c['cap_gbps']:g}" if c["cap_gbps"] else "-",
+            c["auto_plan"],
+            c["best_single"],
+            f"{c['auto_vs_best']:.2f}",
+            c["same_plan_as"] or "",
             *(f"{c[k]:.2f}" if k in c else "-" for k in (f"auto_speedup_vs_{m}" for m in ("KV", "H", "RE"))),
             *(f"{c[k]:.2f}" if k in c else "-" for k in (f"model_max_vs_{m}" for m in ("KV", "H", "RE"))),
-        )  # fmt: skip
+        )
     con = Console(width=170)
     con.print(tab)
     con.print(
@@ -354,9 +402,21 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     profiles: dict = {}
     try:
-        rows = run(a.models, a.tokens, a.dirs, a.caps, a.repeats, base, a.real_max, a.re_budget_s,
-                   log=(lambda *x: None) if a.json else print, methods=tuple(a.methods), device=a.device,
-                   random_weights=a.random_weights, profiles_out=profiles)  # fmt: skip
+        rows = run(
+            a.models,
+            a.tokens,
+            a.dirs,
+            a.caps,
+            a.repeats,
+            base,
+            a.real_max,
+            a.re_budget_s,
+            log=(lambda *x: None) if a.json else print,
+            methods=tuple(a.methods),
+            device=a.device,
+            random_weights=a.random_weights,
+            profiles_out=profiles,
+        )
     finally:
         shutil.rmtree(base, ignore_errors=True)
     out = {

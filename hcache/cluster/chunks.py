@@ -130,10 +130,8 @@ class ClusterChunks:
 
     def stats(self) -> ChunkStats:
         c, u = self.counters, self.uploads
-        return ChunkStats(
-            c.fetches, c.tokens, c.bytes_read, c.misses, c.skipped, c.failed, c.read_gbps,
-            u.chunks, u.bytes, u.dropped, u.failed,
-        )  # fmt: skip
+        fetched = (c.fetches, c.tokens, c.bytes_read, c.misses, c.skipped, c.failed, c.read_gbps)
+        return ChunkStats(*fetched, u.chunks, u.bytes, u.dropped, u.failed)
 
     def close(self) -> None:
         self.uploader.flush(10.0)

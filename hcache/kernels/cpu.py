@@ -18,10 +18,22 @@ import torch
 
 # oneDNN's ISA levels, lowest first (its `ONEDNN_MAX_CPU_ISA` values)
 _ONEDNN_LEVELS = (
-    "SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
-    "AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10_1_512_AMX",
-    "AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX_FP16", "ALL",
-)  # fmt: skip
+    "SSE41",
+    "AVX",
+    "AVX2",
+    "AVX2_VNNI",
+    "AVX2_VNNI_2",
+    "AVX512_CORE",
+    "AVX512_CORE_VNNI",
+    "AVX512_CORE_BF16",
+    "AVX10_1_512",
+    "AVX512_CORE_FP16",
+    "AVX512_CORE_AMX",
+    "AVX10_1_512_AMX",
+    "AVX512_CORE_AMX_FP16",
+    "AVX10_1_512_AMX_FP16",
+    "ALL",
+)
 _X86 = ("x86_64", "AMD64", "i686", "i386")
 
 

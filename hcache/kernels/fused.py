@@ -149,11 +149,9 @@ class _Compiled:
                     times[name].append(time.perf_counter() - t0)
         t = self.timings[key] = {f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}
         self.faster[key] = t["compiled_ms"] < 0.95 * t["eager_ms"]
-        log.info(
-            "%s (%s) at %d rows: compiled %.2f ms, eager %.2f ms: %s",
-            self.name, _tag(key), CAL_ROWS, t["compiled_ms"], t["eager_ms"],
-            "compiled" if self.faster[key] else "eager",
-        )  # fmt: skip
+        chosen = "compiled" if self.faster[key] else "eager"
+        ms = f"compiled {t['compiled_ms']:.2f} ms, eager {t['eager_ms']:.2f} ms"
+        log.info("%s (%s) at %d rows: %s: %s", self.name, _tag(key), CAL_ROWS, ms, chosen)
 
 
 def _shape_class(args: tuple) -> tuple:

@@ -41,9 +41,21 @@ class LoadedModel:
 # SmolLM2-135M's geometry, for runs where its GGUF is not installed (restore costs do not
 # depend on the weights); a test checks it against the GGUF's own config
 DEFAULT_GEOMETRY = ModelConfig(
-    "llama", 49152, 576, 1536, 30, 9, 3, 64, 8192, norm_eps=1e-5, rope_theta=100000.0, tie_embeddings=True,
-    bos_token_id=1, eos_token_ids=(2,),
-)  # fmt: skip
+    arch="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    max_position=8192,
+    norm_eps=1e-5,
+    rope_theta=100000.0,
+    tie_embeddings=True,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+)
 
 
 def default_model_path() -> Path:

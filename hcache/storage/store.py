@@ -304,8 +304,9 @@ class ChunkStore:
         Returns the bytes freed."""
         kinds = self.layer_kinds(self.owner_row(owner))
         index = self.placement.chunk_index(owner)
-        held = {(layer, kind): len(index.get((layer, kind.value), {})) * self.shapes[kind].slot_bytes
-                for layer, kind in release_order(kinds)}  # fmt: skip
+        held: dict[tuple[int, Kind], int] = {}
+        for layer, kind in release_order(kinds):
+            held[(layer, kind)] = len(index.get((layer, kind.value), {})) * self.shapes[kind].slot_bytes
         drop = to_release(held, nbytes)
         if not drop:
             return 0

@@ -192,8 +192,15 @@ def test_read_setup_is_paid_once_and_can_make_recompute_win() -> None:
     compute thread a fixed time first (measured on an H100: plans that read a few layers
     lost 10-40 ms to all-recompute). With that cost known, the planner stays on recompute."""
     geom = Geometry.of(DEFAULT_GEOMETRY, 2)
-    base = dict(read_gbps=1.2, read_latency_ms=0.3, h_ms_per_ktok=0.2, kv_ms_per_ktok=0.05,
-                h_ms_fixed=0.6, kv_ms_fixed=0.4, re_points={256: 1.0, 1024: 1.0, 4096: 1.0})  # fmt: skip
+    base = dict(
+        read_gbps=1.2,
+        read_latency_ms=0.3,
+        h_ms_per_ktok=0.2,
+        kv_ms_per_ktok=0.05,
+        h_ms_fixed=0.6,
+        kv_ms_fixed=0.4,
+        re_points={256: 1.0, 1024: 1.0, 4096: 1.0},
+    )
     free = partition(geom, Profile("gpu", **base), 1024)
     assert free.plan.counts()["kv"] > 0  # reads look free: a mix
     costly = Profile("gpu", **base, read_setup_ms=25.0)
@@ -211,8 +218,14 @@ def test_recompute_beside_reads_costs_what_the_profile_measured() -> None:
     Per layer at 1K tokens, as on the 2-core VM: H read 5.9 ms (200 MB/s), projected 3.2 ms,
     recompute 14 ms alone and 1.3x that beside reads."""
     geom = Geometry(30, 576, 576, 576, 1536, 2)
-    base = dict(name="cpu", read_gbps=geom.h_bytes(1024) / 5.9e-3 / 1e9, read_latency_ms=0.0,
-                h_ms_per_ktok=3.2 / 1.024, kv_ms_per_ktok=0.1, re_points={1024: 14.0, 4096: 56.0})  # fmt: skip
+    base = dict(
+        name="cpu",
+        read_gbps=geom.h_bytes(1024) / 5.9e-3 / 1e9,
+        read_latency_ms=0.0,
+        h_ms_per_ktok=3.2 / 1.024,
+        kv_ms_per_ktok=0.1,
+        re_points={1024: 14.0, 4096: 56.0},
+    )
     alone, beside = Profile(**base), Profile(**base, re_reading={1024: 1.3, 4096: 1.3})
     assert beside.re_reading_factor(2048) == pytest.approx(1.3) and beside.re_reading_factor(100) == 1.3
     re_only = (Method.RECOMPUTE,) * 30

@@ -605,8 +605,9 @@ def test_storage_threads_copy_on_one_core(dirs) -> None:
         save(st, "o", 0, 64, KINDS)
         st.mark_durable("o", list(range(64)))
         done = threading.Event()
-        st.reads.submit(0, lambda q: (seen.append(("reader", torch.get_num_threads())), done.set()),
-                        SimpleNamespace(not_before=0.0))  # fmt: skip
+        st.reads.submit(
+            0, lambda q: (seen.append(("reader", torch.get_num_threads())), done.set()), SimpleNamespace(not_before=0.0)
+        )
         assert done.wait(10)
     assert ("writer", 1) in seen and ("reader", 1) in seen and all(n == 1 for _, n in seen)
     assert torch.get_num_threads() == before
