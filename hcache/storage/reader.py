@@ -37,27 +37,27 @@ class LayerSlot:
     error: ChunkError | None = None
 
 
+@dataclass(frozen=True)
+class ReadParts:
+    """What of the store every owner's reads work with (the store makes one)."""
+
+    shapes: dict[Kind, ChunkShape]
+    slabs: Placement  # the slab files
+    pool: ReadPool  # the I/O threads
+    buffers: LayerBuffers  # where whole layers land
+    throttle: TokenBucket  # the read cap
+    stats: StoreStats
+    cfg: StorageConfig
+
+
 class OwnerReader:
     """Fetches parts of one owner's stored layers; `get(layer, kind)` blocks until that part is whole."""
 
-    def __init__(
-        self,
-        owner: str,
-        wants: list[Want],
-        window: int,
-        *,
-        index: ChunkIndex,
-        shapes: dict[Kind, ChunkShape],
-        slabs: Placement,
-        pool: ReadPool,
-        buffers: LayerBuffers,
-        throttle: TokenBucket,
-        stats: StoreStats,
-        cfg: StorageConfig,
-    ):
-        """Read `wants` of `owner`, whose committed chunks are `index`, out of `slabs`' files."""
-        self.owner, self.shapes, self.slabs, self.pool = owner, shapes, slabs, pool
-        self.buffers, self.throttle, self.stats, self.cfg = buffers, throttle, stats, cfg
+    def __init__(self, owner: str, wants: list[Want], window: int, index: ChunkIndex, parts: ReadParts):
+        """Read `wants` of `owner`, whose committed chunks are `index`, out of the slab files."""
+        self.owner, self.shapes, self.slabs, self.pool = owner, parts.shapes, parts.slabs, parts.pool
+        self.buffers, self.throttle, self.stats, self.cfg = parts.buffers, parts.throttle, parts.stats, parts.cfg
+        shapes, cfg = parts.shapes, parts.cfg
         self.window = max(1, window)
         self.slots: dict[tuple[int, Kind], LayerSlot] = {}
         self.bytes_read = 0

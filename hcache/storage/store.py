@@ -40,7 +40,7 @@ from hcache.storage.outbox import Outbox
 from hcache.storage.packer import FlushTail, Forget, Packer
 from hcache.storage.placement import Placement
 from hcache.storage.prefixes import prefix_hashes
-from hcache.storage.reader import OwnerReader, Want, read_chunk
+from hcache.storage.reader import OwnerReader, ReadParts, Want, read_chunk
 from hcache.storage.readpool import ReadPool
 from hcache.storage.slab import aligned_buffer
 from hcache.storage.staging import Segment, StagedBatch, StagingRing
@@ -104,6 +104,9 @@ class ChunkStore:
         # unwanted slots inside a request are at most two in a row (plan_requests' max_gap)
         discard = 2 * max(sh.slot_bytes for sh in self.shapes.values())
         self.reads = ReadPool(len(self.dirs), cfg.read_depth, cfg.max_request_bytes, aligned_buffer, discard)
+        self._read_parts = ReadParts(
+            self.shapes, self.placement, self.reads, self.buffers, self.throttle, self.stats, self.cfg
+        )
         self.outbox = Outbox(self.packer.inbox)
         for t in (self.packer, *self.writers):
             t.start()
@@ -343,19 +346,8 @@ class ChunkStore:
             wants = [Want(i, k, 0, row.num_tokens) for i in chosen for k in sorted(kinds[i])]
         elif any(w.hi > row.num_tokens for w in wants):
             raise ValueError(f"owner {owner} has {row.num_tokens} durable tokens")
-        return OwnerReader(
-            owner,
-            wants,
-            window or self.cfg.prefetch_layers,
-            index=self.placement.chunk_index(owner),
-            shapes=self.shapes,
-            slabs=self.placement,
-            pool=self.reads,
-            buffers=self.buffers,
-            throttle=self.throttle,
-            stats=self.stats,
-            cfg=self.cfg,
-        )
+        index = self.placement.chunk_index(owner)
+        return OwnerReader(owner, wants, window or self.cfg.prefetch_layers, index, self._read_parts)
 
     def read_chunk(self, owner: str, layer: int, idx: int, kind: Kind) -> torch.Tensor:
         """One whole chunk (all 64 rows of its slot), checked."""
