@@ -151,7 +151,9 @@ class Engine:
         labels: dict[str, str] | None = None,
         tenant: str | None = None,
     ) -> Session:
-        """Prefill a document once and store its state; returns when it is durable."""
+        """Prefill a document once and store its state; returns when it is durable. The same
+        tokens precomputed again by the same tenant return the stored context (its labels as
+        they were) and compute nothing."""
         self._check_open()
         checks.exactly_one(text, token_ids, "give the context as text or as token_ids (exactly one)")
         ids = list(token_ids) if token_ids else self.tok.encode(text)
@@ -161,6 +163,9 @@ class Engine:
         if len(ids) > self.model.cfg.max_position:
             raise InvalidArgument(f"context of {len(ids)} tokens exceeds the model's {self.model.cfg.max_position}")
         with self.lock:
+            found = self.registry.context_of(ids, tenant)
+            if found is not None:
+                return found
             self._check_storage(tenant, len(ids))
             ctx = self.registry.create("context", dict(labels or {}), [], [], tenant)
             ctx.busy = True
@@ -172,6 +177,8 @@ class Engine:
                 ctx.busy = False
             raise
         self.compute(seq)
+        with self.lock:
+            self.registry.stored_context(ctx)
         return ctx
 
     def generate(

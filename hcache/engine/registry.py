@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import secrets
 import time
+from array import array
+
+import xxhash
 
 from hcache.engine.errors import FailedPrecondition, NotFound
 from hcache.engine.session import Session, SessionMeta
@@ -16,6 +19,11 @@ from hcache.storage.store import ChunkStore
 
 def new_id(prefix: str = "") -> str:
     return prefix + secrets.token_hex(16)  # 128 random bits
+
+
+def content_key(tokens: list[int], tenant: str | None) -> tuple[str | None, int, bytes]:
+    """What finds a context by its token ids: the tenant's, same length, same 128-bit hash."""
+    return tenant, len(tokens), xxhash.xxh3_128_digest(array("I", tokens).tobytes())
 
 
 def stored_fingerprint(model: DecoderModel, store: ChunkStore) -> str:
@@ -30,6 +38,7 @@ class Registry:
         self.store, self.kinds = store, kinds
         self.fingerprint = stored_fingerprint(model, store)
         self.sessions: dict[str, Session] = {}
+        self._contexts: dict[tuple[str | None, int, bytes], str] = {}  # content_key -> durable context
         self._load()
 
     def _load(self) -> None:
@@ -46,6 +55,8 @@ class Registry:
             elif parent is not None and parent not in rows:
                 s.error = f"session {r.owner} lost its context {parent}"
             self.sessions[r.owner] = s
+            if s.kind == "context" and s.tokens and not s.error:
+                self.stored_context(s)
 
     def get(self, sid: str, kind: str = "session", tenant: str | None = None) -> Session:
         """Another tenant's session is as unknown as a missing one."""
@@ -57,6 +68,15 @@ class Registry:
                 raise NotFound(f"session {sid[:64]!r} expired: it was idle past the session TTL and deleted at {when}")
             raise NotFound(f"{kind} {sid[:64]!r} not found")
         return s
+
+    def context_of(self, tokens: list[int], tenant: str | None) -> Session | None:
+        """The tenant's durable context of exactly these tokens, if one is stored."""
+        s = self.sessions.get(self._contexts.get(content_key(tokens, tenant), ""))
+        return s if s is not None and s.tokens == tokens else None
+
+    def stored_context(self, s: Session) -> None:
+        """`s`, a context, is durable: later precomputes of the same tokens return it."""
+        self._contexts[content_key(s.tokens, s.tenant)] = s.id
 
     def bytes_per_token(self) -> int:
         row = {kind: s.nbytes // CHUNK_TOKENS for kind, s in self.store.shapes.items()}
@@ -137,3 +157,5 @@ class Registry:
                 raise FailedPrecondition(f"context {s.id} is shared by {len(users)} session(s); delete them first")
         self.store.delete(s.id)
         del self.sessions[s.id]
+        if s.kind == "context" and self._contexts.get(key := content_key(s.tokens, s.tenant)) == s.id:
+            del self._contexts[key]

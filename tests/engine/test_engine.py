@@ -165,6 +165,38 @@ def test_shared_context_is_not_copied(tmp_path, tiny_folder):
         store.close()
 
 
+def test_a_document_precomputed_again_is_the_stored_context(tmp_path, tiny_folder):
+    """Bulk precompute reruns skip what is stored: the same tokens for the same tenant are
+    one context, found by content after a restart too; another tenant, other tokens or a
+    deleted context compute anew."""
+    model = tload(tiny_folder("llama_mha"))
+    tok = word_tokenizer(model.cfg.vocab_size)
+    doc = rand_ids(random.Random(9), 100)
+    eng, store = make_engine(model, tok, [tmp_path / "s"])
+    try:
+        a = eng.precompute_context(token_ids=doc, labels={"id": "d1"})
+        written = sum(u.bytes_written for u in store.usage())
+        again = eng.precompute_context(token_ids=doc, labels={"id": "d2"})
+        assert again is a and a.meta.labels == {"id": "d1"}
+        assert [c.id for c in eng.list("context")] == [a.id]
+        assert sum(u.bytes_written for u in store.usage()) == written  # nothing computed or stored
+        assert eng.precompute_context(token_ids=doc, tenant="t2").id != a.id
+        assert eng.precompute_context(token_ids=doc[:-1]).id != a.id
+        text = eng.precompute_context(text="w1 w2 w3")
+        assert eng.precompute_context(text="w1 w2 w3") is text
+    finally:
+        eng.close()
+        store.close()
+    eng, store = make_engine(model, tok, [tmp_path / "s"])
+    try:
+        assert eng.precompute_context(token_ids=doc).id == a.id  # found after a restart
+        eng.delete(a.id)
+        assert eng.precompute_context(token_ids=doc).id != a.id
+    finally:
+        eng.close()
+        store.close()
+
+
 def test_corrupt_chunk_falls_back_to_recompute(tmp_path, tiny_folder):
     model = tload(tiny_folder("llama_gqa"))
     tok = word_tokenizer(model.cfg.vocab_size)
