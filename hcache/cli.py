@@ -79,6 +79,20 @@ def parser(base: Config | None = None) -> argparse.ArgumentParser:
     chat.add_argument("--max-new-tokens", type=int, default=256)
     chat.add_argument("--api-key", default=os.environ.get("HCACHE_API_KEY"), help="(default: $HCACHE_API_KEY)")
     chat.add_argument("--tls-ca", help="PEM root certificate: connect with TLS")
+    pre = sub.add_parser(
+        "precompute",
+        help="store a corpus's documents as contexts through a running server (reruns skip what is stored)",
+    )
+    pre.add_argument("corpus", type=Path, help='a folder of .txt files, or a JSONL file of {"id": ..., "text": ...}')
+    pre.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="on every context")
+    pre.add_argument("--quiet", action="store_true", help="no progress bar")
+    ctxs = sub.add_parser("contexts", help="list the stored contexts, find one by its document id, or delete it")
+    ctxs.add_argument("--id", help="the caller's document id (the `id` label precompute gave it)")
+    ctxs.add_argument("--delete", action="store_true", help="delete the context of --id")
+    for p in (pre, ctxs):
+        p.add_argument("--target", default="localhost:50051", help="HOST:PORT of a running server")
+        p.add_argument("--api-key", default=os.environ.get("HCACHE_API_KEY"), help="(default: $HCACHE_API_KEY)")
+        p.add_argument("--tls-ca", help="PEM root certificate: connect with TLS")
     bench = sub.add_parser("bench", help="benchmarks (storage, restore, engine, serve, cluster)")
     bench.add_argument("what", choices=["storage", "restore", "engine", "serve", "soak", "peers", "cluster"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
@@ -115,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
 
             root = Path(args.tls_ca).read_bytes() if args.tls_ca else None
             return chat.run(args.target, args.session, args.system, args.max_new_tokens, args.api_key, root)
+        if args.command in ("precompute", "contexts"):
+            return _contexts(args)
         if args.command == "profile":
             return _profile(cfg, args)
         if args.command == "plan":
@@ -133,6 +149,39 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hcache: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _contexts(args: argparse.Namespace) -> int:
+    import grpc
+
+    from hcache import precompute
+    from hcache.client import Client
+
+    root = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+    try:
+        with Client(args.target, api_key=args.api_key, root_cert=root) as c:
+            if args.command == "precompute":
+                labels = dict(kv.split("=", 1) for kv in args.label if "=" in kv)
+                if len(labels) != len(args.label):
+                    raise ValueError("--label takes KEY=VALUE")
+                t = precompute.precompute(c, args.corpus, labels, args.quiet)
+                rate = f" ({t.tokens / t.seconds:,.0f} tokens/s)" if t.seconds and t.tokens else ""
+                print(f"stored {t.stored} documents, {t.tokens} tokens{rate}; {t.reused} already stored")
+                return 0
+            if args.delete:
+                if args.id is None:
+                    raise ValueError("--delete needs --id")
+                n = precompute.delete(c, args.id)
+                print(f"deleted {n} context(s) of document {args.id!r}")
+                return 0 if n else 1
+            found = precompute.find(c, args.id)
+            for ctx in found:
+                doc = ctx.labels.get(precompute.ID_LABEL, "")
+                print(f"{ctx.context_id}\t{ctx.num_tokens}\t{doc}")
+            return 0 if found or args.id is None else 1
+    except grpc.RpcError as e:
+        print(f"hcache: error: {e.code().name}: {e.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        return 2
 
 
 def _serve(cfg: Config) -> int:

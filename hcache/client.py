@@ -236,6 +236,17 @@ class Client:
         req = pb.PrecomputeContextRequest(text=text, token_ids=token_ids or [], labels=labels or {})
         return self._call(None, lambda s: s.PrecomputeContext(req, timeout=self.timeout), spread=True)
 
+    def contexts(self, labels: dict[str, str] | None = None, page_size: int = 100) -> Iterator[pb.Context]:
+        """One replica's contexts (the first that answers), those with every label in `labels`."""
+        token = ""
+        while True:
+            req = pb.ListContextsRequest(page_size=page_size, page_token=token, labels=labels or {})
+            r = self._call(None, lambda s, req=req: s.ListContexts(req))
+            yield from r.contexts
+            if not r.next_page_token:
+                return
+            token = r.next_page_token
+
     def stats(self) -> pb.Stats:
         """One replica's figures (the first that answers)."""
         return self._call(None, lambda s: s.GetStats(empty_pb2.Empty(), timeout=self.timeout))

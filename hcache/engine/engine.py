@@ -155,13 +155,7 @@ class Engine:
         tokens precomputed again by the same tenant return the stored context (its labels as
         they were) and compute nothing."""
         self._check_open()
-        checks.exactly_one(text, token_ids, "give the context as text or as token_ids (exactly one)")
-        ids = list(token_ids) if token_ids else self.tok.encode(text)
-        checks.tokens(ids, self.model.cfg.vocab_size)
-        if not ids:
-            raise InvalidArgument("the context is empty")
-        if len(ids) > self.model.cfg.max_position:
-            raise InvalidArgument(f"context of {len(ids)} tokens exceeds the model's {self.model.cfg.max_position}")
+        ids = self._context_tokens(text, token_ids)
         with self.lock:
             found = self.registry.context_of(ids, tenant)
             if found is not None:
@@ -180,6 +174,24 @@ class Engine:
         with self.lock:
             self.registry.stored_context(ctx)
         return ctx
+
+    def stored_context(
+        self, text: str = "", token_ids: list[int] | None = None, tenant: str | None = None
+    ) -> Session | None:
+        """The context `precompute_context` would return without computing anything, if any."""
+        ids = self._context_tokens(text, token_ids)
+        with self.lock:
+            return self.registry.context_of(ids, tenant)
+
+    def _context_tokens(self, text: str, token_ids: list[int] | None) -> list[int]:
+        checks.exactly_one(text, token_ids, "give the context as text or as token_ids (exactly one)")
+        ids = list(token_ids) if token_ids else self.tok.encode(text)
+        checks.tokens(ids, self.model.cfg.vocab_size)
+        if not ids:
+            raise InvalidArgument("the context is empty")
+        if len(ids) > self.model.cfg.max_position:
+            raise InvalidArgument(f"context of {len(ids)} tokens exceeds the model's {self.model.cfg.max_position}")
+        return ids
 
     def generate(
         self,

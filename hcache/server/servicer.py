@@ -50,8 +50,8 @@ def session_pb(s: Session) -> pb.Session:
     )
 
 
-def context_pb(c: Session) -> pb.Context:
-    return pb.Context(context_id=c.id, num_tokens=len(c.tokens), labels=c.meta.labels)
+def context_pb(c: Session, reused: bool = False) -> pb.Context:
+    return pb.Context(context_id=c.id, num_tokens=len(c.tokens), labels=c.meta.labels, reused=reused)
 
 
 def event_pb(ev: Event) -> pb.GenerateResponse:
@@ -180,10 +180,21 @@ class Servicer(pb_grpc.HCacheServicer):
         )
 
     def PrecomputeContext(self, request: pb.PrecomputeContextRequest, context: grpc.ServicerContext) -> pb.Context:
-        c = self.engine.precompute_context(
-            request.text, list(request.token_ids), dict(request.labels), tenant_var.get()
+        text, ids, tenant = request.text, list(request.token_ids), tenant_var.get()
+        found = self.engine.stored_context(text, ids, tenant)
+        c = found or self.engine.precompute_context(text, ids, dict(request.labels), tenant)
+        return context_pb(c, reused=found is not None)
+
+    def ListContexts(self, request: pb.ListContextsRequest, context: grpc.ServicerContext) -> pb.ListContextsResponse:
+        size = min(request.page_size or 100, MAX_PAGE)
+        want = dict(request.labels).items()
+        contexts = [c for c in self.engine.list("context", tenant_var.get()) if want <= c.meta.labels.items()]
+        rest = [c for c in contexts if c.id > request.page_token] if request.page_token else contexts
+        page = rest[:size]
+        more = len(rest) > size
+        return pb.ListContextsResponse(
+            contexts=[context_pb(c) for c in page], next_page_token=page[-1].id if more else ""
         )
-        return context_pb(c)
 
     def GetStats(self, request: empty_pb2.Empty, context: grpc.ServicerContext) -> pb.Stats:
         return stats_pb(self.engine.snapshot())

@@ -215,7 +215,7 @@ class PrecomputeContextRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Context(_message.Message):
-    __slots__ = ("context_id", "num_tokens", "labels")
+    __slots__ = ("context_id", "num_tokens", "labels", "reused")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -226,10 +226,37 @@ class Context(_message.Message):
     CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    REUSED_FIELD_NUMBER: _ClassVar[int]
     context_id: str
     num_tokens: int
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, context_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    reused: bool
+    def __init__(self, context_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., reused: _Optional[bool] = ...) -> None: ...
+
+class ListContextsRequest(_message.Message):
+    __slots__ = ("page_size", "page_token", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ListContextsResponse(_message.Message):
+    __slots__ = ("contexts", "next_page_token")
+    CONTEXTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    contexts: _containers.RepeatedCompositeFieldContainer[Context]
+    next_page_token: str
+    def __init__(self, contexts: _Optional[_Iterable[_Union[Context, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class DirStats(_message.Message):
     __slots__ = ("path", "used_bytes", "free_bytes", "bytes_written", "chunks")

@@ -75,6 +75,11 @@ class HCacheStub:
                 request_serializer=hcache_dot_v1_dot_hcache__pb2.PrecomputeContextRequest.SerializeToString,
                 response_deserializer=hcache_dot_v1_dot_hcache__pb2.Context.FromString,
                 _registered_method=True)
+        self.ListContexts = channel.unary_unary(
+                '/hcache.v1.HCache/ListContexts',
+                request_serializer=hcache_dot_v1_dot_hcache__pb2.ListContextsRequest.SerializeToString,
+                response_deserializer=hcache_dot_v1_dot_hcache__pb2.ListContextsResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/hcache.v1.HCache/GetStats',
                 request_serializer=google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
@@ -134,6 +139,15 @@ class HCacheServicer:
 
     def PrecomputeContext(self, request, context):
         """Store a document's state once; sessions created with its id share it without copying.
+        The same tokens precomputed again return the stored context (reused=true).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListContexts(self, request, context):
+        """Contexts by id; only those whose labels include every given label (e.g. the caller's
+        own document id). DeleteSession deletes one that no session uses.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -187,6 +201,11 @@ def add_HCacheServicer_to_server(servicer, server):
                     servicer.PrecomputeContext,
                     request_deserializer=hcache_dot_v1_dot_hcache__pb2.PrecomputeContextRequest.FromString,
                     response_serializer=hcache_dot_v1_dot_hcache__pb2.Context.SerializeToString,
+            ),
+            'ListContexts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListContexts,
+                    request_deserializer=hcache_dot_v1_dot_hcache__pb2.ListContextsRequest.FromString,
+                    response_serializer=hcache_dot_v1_dot_hcache__pb2.ListContextsResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -410,6 +429,33 @@ class HCache:
             '/hcache.v1.HCache/PrecomputeContext',
             hcache_dot_v1_dot_hcache__pb2.PrecomputeContextRequest.SerializeToString,
             hcache_dot_v1_dot_hcache__pb2.Context.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListContexts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hcache.v1.HCache/ListContexts',
+            hcache_dot_v1_dot_hcache__pb2.ListContextsRequest.SerializeToString,
+            hcache_dot_v1_dot_hcache__pb2.ListContextsResponse.FromString,
             options,
             channel_credentials,
             insecure,
