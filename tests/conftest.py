@@ -49,7 +49,7 @@ TINY = {
 
 
 # tests of a costly session fixture run on one xdist worker (`--dist loadgroup`), which builds it once
-COSTLY_FIXTURES = ("served_default", "hf_default")
+COSTLY_FIXTURES = ("served_default", "hf_default", "qwen")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
@@ -147,6 +147,15 @@ def served_default() -> WarmServed:
     graph = DecodeGraph(model)
     graph.warm(torch.bfloat16)
     return WarmServed(model, graph, graph.graphs())
+
+
+@pytest.fixture(scope="session")
+def qwen() -> LoadedModel:
+    """Qwen2.5-Coder-0.5B-Instruct (24 layers, 14 query heads over 2 KV heads, q/k/v biases),
+    joined from its PyPI parts on first use (`make test` installs them)."""
+    if DEVICE != "cpu":
+        pytest.skip("the 0.5B model runs in the CPU suite")
+    return load("qwen2.5-0.5b", "float32", DEVICE)
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from hcache.model.base import DecoderModel
+from hcache.model.catalog import NAMED, named_path
 from hcache.model.geometry import ARCH_LLAMA, ARCH_OPT, ModelConfig
 from hcache.model.llama import Llama, LlamaLayer
 from hcache.model.opt import OPT
@@ -66,6 +67,9 @@ def default_model_path() -> Path:
 
 
 def resolve_model_path(name: str) -> Path:
+    """A model by name ("default", or one of `catalog.NAMED`) or by path."""
+    if name in NAMED:
+        return named_path(name)
     path = default_model_path() if name == "default" else Path(name)
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")

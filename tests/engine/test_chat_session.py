@@ -13,10 +13,22 @@ PARAMS = SamplingParams(max_new_tokens=24)
 
 
 def test_three_turn_chat_identical_across_restore_paths(default_model) -> None:
-    m, tok = default_model.model, default_model.tokenizer
+    m = default_model.model
+    assert str(demo.demo_plans(m.cfg.num_layers)["mixed"]) == "RE 0-3, H 4-19, KV 20-29"
+    chat_identical_across_restore_paths(default_model)
+
+
+def test_a_real_0_5b_chat_is_identical_across_restore_paths(qwen) -> None:
+    """Qwen2.5-0.5B: another architecture's details (q/k/v biases, 7 query heads per KV
+    head, a 151K vocabulary, ChatML) restored by every path."""
+    assert qwen.model.cfg.qkv_bias and qwen.model.cfg.num_layers == 24
+    chat_identical_across_restore_paths(qwen)
+
+
+def chat_identical_across_restore_paths(loaded) -> None:
+    m, tok = loaded.model, loaded.tokenizer
     reference = ChatSession(m, tok, demo.SYSTEM)
     plans = demo.demo_plans(m.cfg.num_layers)
-    assert str(plans["mixed"]) == "RE 0-3, H 4-19, KV 20-29"
     sessions = {name: ChatSession(m, tok, demo.SYSTEM) for name in plans}
     for message in demo.TURNS:
         want_text, want = reference.reply(message, PARAMS)
