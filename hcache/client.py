@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -233,8 +234,12 @@ class Client:
     def precompute_context(
         self, text: str = "", token_ids: list[int] | None = None, labels: dict[str, str] | None = None
     ) -> pb.Context:
+        """On the replica the document's content picks (rendezvous), which finds it stored when
+        it is sent again; the next one if that is unavailable."""
         req = pb.PrecomputeContextRequest(text=text, token_ids=token_ids or [], labels=labels or {})
-        return self._call(None, lambda s: s.PrecomputeContext(req, timeout=self.timeout), spread=True)
+        content = text.encode() if text else b"ids:" + array("I", token_ids or []).tobytes()
+        key = "context:" + hashlib.sha256(content).hexdigest()
+        return self._call(key, lambda s: s.PrecomputeContext(req, timeout=self.timeout))
 
     def contexts(self, labels: dict[str, str] | None = None, page_size: int = 100) -> Iterator[pb.Context]:
         """One replica's contexts (the first that answers), those with every label in `labels`."""

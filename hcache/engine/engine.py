@@ -22,7 +22,7 @@ from hcache.engine.loop import Loop
 from hcache.engine.parts import Parts
 from hcache.engine.reclaimer import Reclaimer
 from hcache.engine.records import Counters, EngineSnapshot, RestoreResult, StorageState
-from hcache.engine.registry import Registry
+from hcache.engine.registry import Registry, content_key
 from hcache.engine.runner import Runner
 from hcache.engine.sampler import SamplingParams
 from hcache.engine.scheduler import Scheduler
@@ -86,6 +86,7 @@ class Engine:
         self.finisher = Finisher(parts, tokenizer.decode)
         self.reclaimer = Reclaimer(parts)
         self.draining = False
+        self._precomputing: dict[tuple[str | None, int, bytes], Sequence] = {}  # content_key -> its run
         planner = RestorePlanner(store, model, self.registry.fingerprint, profile)
         self.loop = Loop(parts, planner, self.runner, self.finisher, self.reclaimer)
         self.sharing.attach(self)
@@ -153,26 +154,38 @@ class Engine:
     ) -> Session:
         """Prefill a document once and store its state; returns when it is durable. The same
         tokens precomputed again by the same tenant return the stored context (its labels as
-        they were) and compute nothing."""
+        they were) and compute nothing; while they are being computed, they wait for it."""
         self._check_open()
         ids = self._context_tokens(text, token_ids)
-        with self.lock:
-            found = self.registry.context_of(ids, tenant)
-            if found is not None:
-                return found
-            self._check_storage(tenant, len(ids))
-            ctx = self.registry.create("context", dict(labels or {}), [], [], tenant)
-            ctx.busy = True
-        seq = self.sequence(ctx, ids, 0, SamplingParams(max_new_tokens=1), [], sample=False)
-        try:
-            seq.lease = self.sharing.lease_context(ctx)
-        except BaseException:
+        key = content_key(ids, tenant)
+        while True:
             with self.lock:
-                ctx.busy = False
-            raise
-        self.compute(seq)
-        with self.lock:
-            self.registry.stored_context(ctx)
+                found = self.registry.context_of(ids, tenant)
+                if found is not None:
+                    return found
+                running = self._precomputing.get(key)
+                if running is None:
+                    self._check_storage(tenant, len(ids))
+                    ctx = self.registry.create("context", dict(labels or {}), [], [], tenant)
+                    ctx.busy = True
+                    seq = self.sequence(ctx, ids, 0, SamplingParams(max_new_tokens=1), [], sample=False)
+                    self._precomputing[key] = seq
+                    break
+            running.done.wait()  # then it is stored, or it failed and this call computes it
+        try:
+            try:
+                seq.lease = self.sharing.lease_context(ctx)
+            except BaseException:
+                with self.lock:
+                    ctx.busy = False
+                raise
+            self.compute(seq)
+            with self.lock:
+                self.registry.stored_context(ctx)
+        finally:
+            with self.lock:
+                del self._precomputing[key]
+            seq.done.set()  # (set already unless the lease failed) wakes the calls that wait
         return ctx
 
     def stored_context(

@@ -5,6 +5,7 @@ small budget, fused vs sequential restore, shared contexts, and corrupt-chunk fa
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import tload
@@ -184,6 +185,12 @@ def test_a_document_precomputed_again_is_the_stored_context(tmp_path, tiny_folde
         assert eng.precompute_context(token_ids=doc[:-1]).id != a.id
         text = eng.precompute_context(text="w1 w2 w3")
         assert eng.precompute_context(text="w1 w2 w3") is text
+        # the same document sent twice at once: the second waits for the first's context
+        twice = rand_ids(random.Random(10), 200)
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda _: eng.precompute_context(token_ids=twice), range(2)))
+        assert got[0] is got[1]
+        assert sum(c.tokens == twice for c in eng.list("context")) == 1
     finally:
         eng.close()
         store.close()
