@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hcache.benchmarks.restore import bench_model, save_state
+from hcache.benchmarks.models import bench_model, save_state
 from hcache.config import StorageConfig
 from hcache.restore.executor import restore
 from hcache.restore.plan import Method, Plan

@@ -5,14 +5,12 @@ process (cluster mode's leases, adoptions and fetches) is `self.sharing`'s (shar
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 
 from hcache.config import EngineConfig
-from hcache.engine import checks, heap
+from hcache.engine import checks, heap, snapshot
 from hcache.engine.block_pool import BlockPool, resident_kv_dtype
 from hcache.engine.detokenizer import TextStream
 from hcache.engine.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -41,7 +39,6 @@ from hcache.storage.prefixes import common_prefix
 from hcache.storage.store import ChunkStore
 
 log = logging.getLogger(__name__)
-RECENT_SESSIONS = 200  # rows of the dashboard's session table
 
 
 class Engine:
@@ -79,7 +76,7 @@ class Engine:
         self.registry = Registry(store, model, kinds)
         self.counters = Counters()
         self.scheduler = Scheduler(self.pool, self.registry.sessions, self.cfg.max_batch, self.counters)
-        parts = Parts(self.cfg, store, self.registry, self.scheduler, self.sharing, self.telemetry)
+        parts = self._parts = Parts(self.cfg, store, self.registry, self.scheduler, self.sharing, self.telemetry)
         self.lock, self._wake = parts.lock, parts.work
         self.runner = Runner(model, store, self.cfg)
         self.runner.warm(self.pool)
@@ -152,17 +149,33 @@ class Engine:
         labels: dict[str, str] | None = None,
         tenant: str | None = None,
     ) -> Session:
-        """Prefill a document once and store its state; returns when it is durable. The same
-        tokens precomputed again by the same tenant return the stored context (its labels as
-        they were) and compute nothing; while they are being computed, they wait for it."""
+        """Prefill a document once and store its state; returns when it is durable."""
+        return self.precompute(text, token_ids, labels, tenant)[0]
+
+    def precompute(
+        self,
+        text: str = "",
+        token_ids: list[int] | None = None,
+        labels: dict[str, str] | None = None,
+        tenant: str | None = None,
+    ) -> tuple[Session, bool]:
+        """The document's context, and whether it was stored already: the same tokens
+        precomputed again by the same tenant return the stored context (its labels as they
+        were) and compute nothing; while they are being computed, they wait for it."""
         self._check_open()
-        ids = self._context_tokens(text, token_ids)
+        checks.exactly_one(text, token_ids, "give the context as text or as token_ids (exactly one)")
+        ids = list(token_ids) if token_ids else self.tok.encode(text)
+        checks.tokens(ids, self.model.cfg.vocab_size)
+        if not ids:
+            raise InvalidArgument("the context is empty")
+        if len(ids) > self.model.cfg.max_position:
+            raise InvalidArgument(f"context of {len(ids)} tokens exceeds the model's {self.model.cfg.max_position}")
         key = content_key(ids, tenant)
         while True:
             with self.lock:
                 found = self.registry.context_of(ids, tenant)
                 if found is not None:
-                    return found
+                    return found, True
                 running = self._precomputing.get(key)
                 if running is None:
                     self._check_storage(tenant, len(ids))
@@ -181,30 +194,12 @@ class Engine:
                 raise
             self.compute(seq)
             with self.lock:
-                self.registry.stored_context(ctx)
+                self.registry.index_context(ctx)
         finally:
             with self.lock:
                 del self._precomputing[key]
             seq.done.set()  # (set already unless the lease failed) wakes the calls that wait
-        return ctx
-
-    def stored_context(
-        self, text: str = "", token_ids: list[int] | None = None, tenant: str | None = None
-    ) -> Session | None:
-        """The context `precompute_context` would return without computing anything, if any."""
-        ids = self._context_tokens(text, token_ids)
-        with self.lock:
-            return self.registry.context_of(ids, tenant)
-
-    def _context_tokens(self, text: str, token_ids: list[int] | None) -> list[int]:
-        checks.exactly_one(text, token_ids, "give the context as text or as token_ids (exactly one)")
-        ids = list(token_ids) if token_ids else self.tok.encode(text)
-        checks.tokens(ids, self.model.cfg.vocab_size)
-        if not ids:
-            raise InvalidArgument("the context is empty")
-        if len(ids) > self.model.cfg.max_position:
-            raise InvalidArgument(f"context of {len(ids)} tokens exceeds the model's {self.model.cfg.max_position}")
-        return ids
+        return ctx, False
 
     def generate(
         self,
@@ -361,25 +356,7 @@ class Engine:
         """The state GetStats, /metrics and the dashboard show, read at once."""
         storage = StorageState.of(self.store)  # disk usage, read outside the engine's lock
         with self.lock:
-            owners = list(self.registry.sessions.values())
-            sessions = [s for s in owners if s.kind == "session"]
-            recent = heapq.nlargest(RECENT_SESSIONS, owners, key=lambda s: s.last_used)
-            pool, per_block = self.pool, self.pool.bytes_per_block(self.pool.cfg, self.pool.dtype)
-            return EngineSnapshot(
-                time=time.time(),
-                model=self.model_name,
-                draining=self.draining,
-                counters=replace(self.counters),
-                queue=self.scheduler.queue_depth(),
-                sessions=len(sessions),
-                contexts=len(owners) - len(sessions),
-                resident_sessions=sum(s.resident for s in sessions),
-                resident_bytes=(pool.num_blocks - pool.num_free) * per_block,
-                budget_bytes=pool.num_blocks * per_block,
-                recent=[s.row() for s in recent],
-                storage=storage,
-                cluster=self.sharing.state(),
-            )
+            return snapshot.take(self.model_name, self.draining, self._parts, self.pool, storage)
 
     # --- helpers -------------------------------------------------------------------
     def _check_open(self) -> None:

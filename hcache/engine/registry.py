@@ -56,7 +56,7 @@ class Registry:
                 s.error = f"session {r.owner} lost its context {parent}"
             self.sessions[r.owner] = s
             if s.kind == "context" and s.tokens and not s.error:
-                self.stored_context(s)
+                self.index_context(s)
 
     def get(self, sid: str, kind: str = "session", tenant: str | None = None) -> Session:
         """Another tenant's session is as unknown as a missing one."""
@@ -74,7 +74,7 @@ class Registry:
         s = self.sessions.get(self._contexts.get(content_key(tokens, tenant), ""))
         return s if s is not None and s.tokens == tokens else None
 
-    def stored_context(self, s: Session) -> None:
+    def index_context(self, s: Session) -> None:
         """`s`, a context, is durable: later precomputes of the same tokens return it."""
         self._contexts[content_key(s.tokens, s.tenant)] = s.id
 

@@ -180,10 +180,10 @@ class Servicer(pb_grpc.HCacheServicer):
         )
 
     def PrecomputeContext(self, request: pb.PrecomputeContextRequest, context: grpc.ServicerContext) -> pb.Context:
-        text, ids, tenant = request.text, list(request.token_ids), tenant_var.get()
-        found = self.engine.stored_context(text, ids, tenant)
-        c = found or self.engine.precompute_context(text, ids, dict(request.labels), tenant)
-        return context_pb(c, reused=found is not None)
+        c, reused = self.engine.precompute(
+            request.text, list(request.token_ids), dict(request.labels), tenant_var.get()
+        )
+        return context_pb(c, reused)
 
     def ListContexts(self, request: pb.ListContextsRequest, context: grpc.ServicerContext) -> pb.ListContextsResponse:
         size = min(request.page_size or 100, MAX_PAGE)

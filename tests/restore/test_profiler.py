@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import tload
 
-from hcache.benchmarks.restore import expand_to_mha
+from hcache.benchmarks.models import expand_to_mha
 from hcache.cli import main
 from hcache.model import KVCache
 from hcache.restore import profiler
