@@ -147,6 +147,11 @@ class PagedCache:
             self.pool.k[layer].index_copy_(0, rows, k.to(self.pool.dtype))
             self.pool.v[layer].index_copy_(0, rows, v.to(self.pool.dtype))
 
+    def write_at(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        rows = self._rows[positions]
+        self.pool.k[layer].index_copy_(0, rows, k.to(self.pool.dtype))
+        self.pool.v[layer].index_copy_(0, rows, v.to(self.pool.dtype))
+
     def dest(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Layer `layer`'s K and V rows for positions `start..start+n` as views to write in
         place, when the sequence's blocks are one run; None otherwise (use `write`)."""

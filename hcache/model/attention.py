@@ -70,6 +70,10 @@ class KVCache:
         self.k[layer][s : s + k.shape[0]] = k
         self.v[layer][s : s + v.shape[0]] = v
 
+    def write_at(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer].index_copy_(0, positions, k.to(self.dtype))
+        self.v[layer].index_copy_(0, positions, v.to(self.dtype))
+
     def dest(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Layer `layer`'s K and V rows for positions `start..start+n`, to be written in place."""
         if start + n > self.capacity:  # a short view would be resized by out= kernels, not filled
@@ -187,6 +191,32 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.squeeze(0).transpose(0, 1).reshape(t, -1)
+
+
+QUERY_BLOCK = 128  # queries per masked call
+
+
+def positional_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Queries of tokens at any positions `q_pos` `[T]` (a blend's recomputed few) over the
+    keys of positions 0..S-1: query i sees keys 0..q_pos[i]. q `[T, H, D]`, k/v `[S, KvH, D]`;
+    returns `[T, H*D]`. In float32, by blocks of queries, each over the keys up to its last
+    position: with positions ascending, that skips about half the masked work."""
+    t = q.shape[0]
+    kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (k, v))
+    gqa = q.shape[1] != k.shape[1]
+    out = torch.empty(t, q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+    ends = q_pos.tolist()
+    for lo in range(0, t, QUERY_BLOCK):
+        hi = min(t, lo + QUERY_BLOCK)
+        n = max(ends[lo:hi]) + 1
+        mask = torch.arange(n, device=q.device)[None, :] <= q_pos[lo:hi, None]
+        qh = q[lo:hi].float().transpose(0, 1).unsqueeze(0)
+        kf, vf = kh[:, :, :n].float(), vh[:, :, :n].float()
+        o = F.scaled_dot_product_attention(qh, kf, vf, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[lo:hi] = o.squeeze(0).transpose(0, 1).reshape(hi - lo, -1)
+    return out
 
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -48,6 +48,11 @@ class DecoderModel(nn.Module, ABC):
     def head_norm(self, h: torch.Tensor) -> torch.Tensor:
         """Whatever sits between the last layer and the LM head."""
 
+    def shift_keys(self, k: torch.Tensor, delta: int) -> torch.Tensor:
+        """Keys `[T, kv_heads, head_dim]` of tokens moved `delta` positions later. Without
+        rotary embeddings keys do not encode their position: they stay as they are."""
+        return k
+
     @property
     def dtype(self) -> torch.dtype:
         """The activations' and the KV cache's dtype: the first float parameter's (weights

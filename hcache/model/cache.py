@@ -41,6 +41,9 @@ class KVRows(Cache, Protocol):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int | None = None) -> None:
         """Layer `layer`'s K and V rows for positions `start..` (default: `length`)."""
 
+    def write_at(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer `layer`'s K and V rows for the tokens at `positions` `[T]` (any order, any gaps)."""
+
     def dest(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Views of layer `layer`'s rows `start..start+n` to fill in place, or None (then `write`)."""
         ...

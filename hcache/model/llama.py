@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hcache.kernels.fused import rope_eager
 from hcache.model.base import DecoderLayer, DecoderModel, KVOut
 from hcache.model.cache import Cache
 from hcache.model.geometry import ModelConfig
@@ -111,3 +112,10 @@ class Llama(DecoderModel):
 
     def head_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.norm(h)
+
+    def shift_keys(self, k: torch.Tensor, delta: int) -> torch.Tensor:
+        # RoPE rotations compose: rotating by `delta` more moves a key to position p + delta
+        if delta == 0:
+            return k
+        cos, sin = self.rope.cos_sin(torch.full((k.shape[0],), delta, device=k.device), torch.float32)
+        return rope_eager(k.float(), cos, sin, None).to(k.dtype)
