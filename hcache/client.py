@@ -32,6 +32,13 @@ METHODS = {
     "recompute": pb.RESTORE_METHOD_RECOMPUTE,
 }
 
+CONTEXT_MODES = {
+    "": pb.CONTEXT_MODE_DEFAULT,
+    "exact": pb.CONTEXT_MODE_EXACT,
+    "blend": pb.CONTEXT_MODE_BLEND,
+    "concat": pb.CONTEXT_MODE_CONCAT,
+}
+
 
 @dataclass
 class Reply:
@@ -40,6 +47,7 @@ class Reply:
     finish_reason: str
     stats: pb.GenerateStats
     chunks: list[str] = field(default_factory=list)
+    session_id: str = ""
 
 
 class _KeyInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
@@ -160,10 +168,43 @@ class Client:
         self.close()
 
     def create_session(
-        self, system_prompt: str = "", context_ids: list[str] | None = None, labels: dict[str, str] | None = None
+        self,
+        system_prompt: str = "",
+        context_ids: list[str] | None = None,
+        labels: dict[str, str] | None = None,
+        context_mode: str = "",
+        blend_fraction: float | None = None,
     ) -> pb.Session:
-        req = pb.CreateSessionRequest(system_prompt=system_prompt, context_ids=context_ids or [], labels=labels or {})
+        """`context_mode`: exact, blend or concat ("": the server's); see the proto's ContextMode."""
+        req = pb.CreateSessionRequest(
+            system_prompt=system_prompt,
+            context_ids=context_ids or [],
+            labels=labels or {},
+            context_mode=CONTEXT_MODES[context_mode],
+        )
+        if blend_fraction is not None:
+            req.blend_fraction = blend_fraction
         return self._call(None, lambda s: s.CreateSession(req, timeout=self.timeout), spread=True)
+
+    def ask(
+        self,
+        context_ids: list[str],
+        message: str,
+        context_mode: str = "",
+        blend_fraction: float | None = None,
+        **sampling: Any,
+    ) -> Reply:
+        """One turn over precomputed contexts, in this order, in a new session (the reply's
+        `session_id`, which later turns may continue)."""
+        req = pb.GenerateRequest(
+            message=message,
+            sampling=_sampling(**sampling),
+            context_ids=context_ids,
+            context_mode=CONTEXT_MODES[context_mode],
+        )
+        if blend_fraction is not None:
+            req.blend_fraction = blend_fraction
+        return _reply(self._stream("", req))
 
     def generate(
         self,
@@ -178,11 +219,7 @@ class Client:
         stop: list[str] | None = None,
     ) -> Iterator[pb.GenerateResponse]:
         """The reply as it streams; the last message has `finished` and `stats`."""
-        sampling = pb.SamplingParams(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop or []
-        )
-        if seed is not None:
-            sampling.seed = seed
+        sampling = _sampling(max_new_tokens, temperature, top_p, top_k, seed, stop)
         req = pb.GenerateRequest(session_id=session_id, message=message, token_ids=token_ids or [], sampling=sampling)
         if len(self.targets) == 1:
             return self.stub.Generate(req, timeout=self.timeout)
@@ -190,17 +227,7 @@ class Client:
 
     def reply(self, session_id: str, message: str = "", **kw: object) -> Reply:
         """One whole turn."""
-        chunks, ids = [], []
-        last = None
-        for r in self.generate(session_id, message, **kw):  # type: ignore[arg-type]
-            if r.finished:
-                last = r
-            else:
-                chunks.append(r.text)
-                ids.extend(r.token_ids)
-        if last is None:
-            raise RuntimeError("the stream ended without a final message")
-        return Reply("".join(chunks), ids, last.finish_reason, last.stats, chunks)
+        return _reply(self.generate(session_id, message, **kw))  # type: ignore[arg-type]
 
     def restore(self, session_id: str, method: str = "auto") -> pb.RestoreResponse:
         if method not in METHODS:
@@ -255,6 +282,36 @@ class Client:
     def stats(self) -> pb.Stats:
         """One replica's figures (the first that answers)."""
         return self._call(None, lambda s: s.GetStats(empty_pb2.Empty(), timeout=self.timeout))
+
+
+def _sampling(
+    max_new_tokens: int = 0,
+    temperature: float = 0.0,
+    top_p: float = 0.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: list[str] | None = None,
+) -> pb.SamplingParams:
+    sampling = pb.SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop or []
+    )
+    if seed is not None:
+        sampling.seed = seed
+    return sampling
+
+
+def _reply(stream: Iterator[pb.GenerateResponse]) -> Reply:
+    chunks, ids = [], []
+    last = None
+    for r in stream:
+        if r.finished:
+            last = r
+        else:
+            chunks.append(r.text)
+            ids.extend(r.token_ids)
+    if last is None:
+        raise RuntimeError("the stream ended without a final message")
+    return Reply("".join(chunks), ids, last.finish_reason, last.stats, chunks, last.session_id)
 
 
 def wait_for_server(target: str, timeout: float = 120, alive: Callable[[], bool] = lambda: True) -> None:

@@ -124,6 +124,13 @@ class EngineConfig:
         "force how Generate restores evicted sessions (benchmarks)",
         choices=("auto", "kv", "hidden", "recompute"),
     )
+    context_mode: str = setting(
+        "exact",
+        "how a session on several contexts places them, unless its request says (exact: as a prefill in that "
+        "order would; blend: their stored KV placed, a fraction of their tokens recomputed; concat: placed only)",
+        choices=("exact", "blend", "concat"),
+    )
+    blend_fraction: float = setting(0.15, "of the contexts' tokens, the share a blend recomputes (0..1)")
 
 
 @dataclass

@@ -76,3 +76,16 @@ def storage_quota(owners: Iterable[Session], tenant: str | None, more_tokens: in
             f"this API key stores {used * per_token / 1e6:.1f} MB; this request could take it past "
             f"its {limit / 1e6:.1f} MB quota (delete sessions to make room)"
         )
+
+
+def contexts_fit(contexts: list[Session], max_position: int, kv_tokens: int) -> None:
+    """Contexts a session places before its first token: within the model's context, and
+    within the KV memory, refused before any work."""
+    for c in contexts:
+        if c.error:
+            raise FailedPrecondition(c.error)
+    n = sum(len(c.tokens) for c in contexts)
+    if n >= max_position:
+        raise InvalidArgument(f"the contexts hold {n} tokens; the model's context is {max_position}")
+    if n >= kv_tokens:
+        raise ResourceExhausted(f"the contexts hold {n} tokens of KV; the KV budget holds {kv_tokens}")

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from hcache.config import EngineConfig
 from hcache.engine import checks, heap, snapshot
 from hcache.engine.block_pool import BlockPool, resident_kv_dtype
+from hcache.engine.compose import Composition, compose
 from hcache.engine.detokenizer import TextStream
 from hcache.engine.errors import FailedPrecondition, InvalidArgument, Unavailable
 from hcache.engine.finisher import Finisher
@@ -25,7 +26,7 @@ from hcache.engine.runner import Runner
 from hcache.engine.sampler import SamplingParams
 from hcache.engine.scheduler import Scheduler
 from hcache.engine.sequence import Event, EventSink, Sequence
-from hcache.engine.session import Session
+from hcache.engine.session import Session, SessionMeta
 from hcache.engine.sharing import Sharing, Solo
 from hcache.engine.telemetry import Telemetry
 from hcache.model.base import DecoderModel
@@ -99,16 +100,29 @@ class Engine:
         labels: dict[str, str] | None = None,
         tenant: str | None = None,
         history: list[dict[str, str]] | None = None,
+        composition: Composition | None = None,
     ) -> Session:
         """A chat session; `history` is a conversation it starts from (system, user and
-        assistant messages, as a client resends them), computed with its first turn."""
+        assistant messages, as a client resends them), computed with its first turn.
+        `context_ids` go before it in that order, placed as `composition` says (compose.py;
+        default: the server's mode and fraction)."""
         self._check_open()
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         messages += checks.history(history or [])
-        self.sharing.before_create(list(context_ids or []), tenant)
+        ids = list(context_ids or [])
+        how = composition or Composition(self.cfg.context_mode, self.cfg.blend_fraction)
+        self.sharing.before_create(ids, tenant)
         with self.lock:
             checks.session_limit(self.registry.sessions.values(), tenant, self.cfg.max_sessions_per_tenant)
-            s = self.registry.create("session", dict(labels or {}), list(context_ids or []), messages, tenant)
+            contexts = [self.registry.get(c, "context", tenant) for c in ids]
+            checks.contexts_fit(contexts, self.model.cfg.max_position, self.pool.num_blocks * BLOCK_TOKENS)
+            if len(contexts) < 2:
+                s = self.registry.create("session", dict(labels or {}), ids, messages, tenant)
+            else:
+                s, shared = compose(self.registry, contexts, how, messages, dict(labels or {}), tenant)
+                if shared > len(contexts[0].tokens):  # a composition stored before leads this one
+                    self.counters.prefix_matches += 1
+                    self.counters.prefix_tokens += shared
         self.sharing.created(s)
         return s
 
@@ -130,7 +144,7 @@ class Engine:
                 s, shared = self.registry.create("session", {}, [], history, tenant), 0
             else:
                 parent, shared = found
-                s = fork(self.registry, parent, shared, history, tenant)
+                s = fork(self.registry, parent, shared, SessionMeta(messages=history, mode="chat", tenant=tenant))
                 self.counters.prefix_matches += 1
                 self.counters.prefix_tokens += shared
                 if parent.cache is not None and parent.cache.length >= shared:
@@ -252,6 +266,8 @@ class Engine:
                 raise InvalidArgument(f"session {session_id} takes {m.mode} turns, not {mode}")
             if message:
                 ids = m.prefix + self.tok.encode_chat([*m.messages, {"role": "user", "content": message}])
+            elif not m.mode and m.prefix:  # a first turn feeds every context before its tokens
+                ids = m.prefix + list(token_ids or [])
             else:
                 ids = s.acknowledged + ([m.pending] if m.pending is not None else []) + list(token_ids or [])
             checks.tokens(ids, self.model.cfg.vocab_size)

@@ -41,10 +41,10 @@ def longest_stored(registry: Registry, ids: list[int], tenant: str | None) -> tu
     return (best[3], best[0]) if best is not None else None
 
 
-def fork(registry: Registry, parent: Session, n: int, messages: list[dict], tenant: str | None) -> Session:
-    """A new chat session whose first `n` tokens share `parent`'s stored state; `parent`
-    stays as it was. Called under the engine's lock with `parent` idle."""
-    meta = SessionMeta(messages=messages, mode="chat", tenant=tenant)
+def fork(registry: Registry, parent: Session, n: int, meta: SessionMeta) -> Session:
+    """A new session whose first `n` tokens share `parent`'s stored state (`parent` has no
+    context of its own: a context, or a session on none); `parent` stays as it was. Called
+    under the engine's lock with `parent` idle."""
     s = Session(new_id(), "session", meta, parent.tokens[:n])
     registry.add(s, fork_of=(parent.id, n))
     return s

@@ -12,6 +12,7 @@ import time
 import torch
 
 from hcache import omp
+from hcache.engine.compose import documents
 from hcache.engine.errors import EngineError, FailedPrecondition, ResourceExhausted
 from hcache.engine.finisher import Finisher
 from hcache.engine.parts import Parts
@@ -97,7 +98,8 @@ class Loop:
         return worked
 
     def _start(self, seq: Sequence) -> None:
-        s, store = seq.session, self.parts.store
+        s, p = seq.session, self.parts
+        store, cap = p.store, p.store.cfg.read_cap_gbps or None  # the store's token bucket holds reads to it
         seq.t_start = time.perf_counter()
         plan = source = None
         fetched = s.fetched  # cleared once the job holds it: until then a failure drops it
@@ -108,7 +110,6 @@ class Loop:
         if s.cache is None and seq.keep:
             if s.error:
                 raise FailedPrecondition(s.error)
-            cap = store.cfg.read_cap_gbps or None  # the store's token bucket holds reads to it
             plan, seq.predicted_ms = self.planner.plan(s.lineage, seq.keep, seq.restore_method, cap, fetched)
         if seq.keep < len(s.tokens):  # the conversation was re-rendered differently: drop the rest
             if s.cache is not None:
@@ -117,12 +118,18 @@ class Loop:
                 store.truncate(s.id, seq.keep - s.base)
             del s.tokens[seq.keep :]
         if fetched is not None:
-            self.parts.sharing.used(fetched)
+            p.sharing.used(fetched)
         if plan is not None:
             source = self.planner.source(s.lineage, s.tokens, seq.keep, fetched)
             seq.plan = plan
+        blend = None
+        if s.meta.compose and not s.tokens:
+            blend = documents(p.registry, self.planner, s, seq.restore_method, cap)
         self.scheduler.allocate(seq)
-        self.runner.start(seq, plan, source, fetched)
+        if blend is not None:
+            self.runner.start_blend(seq, blend)
+        else:
+            self.runner.start(seq, plan, source, fetched)
         s.fetched = None
         s.last_used = time.monotonic()
         self.scheduler.to_prefill(seq, restoring=plan is not None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -33,6 +34,22 @@ class PrefillReport:
     fallback_layers: int = 0
     bytes_read: int = 0
     ms_by_method: dict[str, float] = field(default_factory=dict)
+    placed_tokens: int = 0  # a blend's: context tokens whose stored K/V were placed
+    recomputed_tokens: int = 0  # of those, recomputed
+    context_fallbacks: list[str] = field(default_factory=list)  # contexts recomputed where unreadable
+
+
+class Job(Protocol):
+    """What the runner drives: a turn's restore+prefill (`PrefillJob`) or a blend (compose.py)."""
+
+    report: PrefillReport
+
+    @property
+    def last_hidden(self) -> torch.Tensor | None: ...
+
+    def wait_storage(self, timeout: float) -> None: ...
+
+    def run(self) -> Iterator[bool]: ...
 
 
 class PrefillJob:

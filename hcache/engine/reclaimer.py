@@ -58,10 +58,13 @@ class Reclaimer:
         milliseconds). Called under the engine's lock; it may be gone afterwards (expired)."""
         while True:
             s = self.registry.get(session_id, kind, tenant)
-            parent = self.registry.sessions.get(s.meta.parent) if s.meta.parent else None
-            if not (s.releasing or (parent is not None and parent.releasing)):
+            if not (s.releasing or self._reads_released(s)):
                 return s
             self.settled.wait()
+
+    def _reads_released(self, s: Session) -> bool:
+        """Whether a context `s` reads is giving up chunks (a release takes milliseconds)."""
+        return any((c := self.registry.sessions.get(cid)) is not None and c.releasing for cid in s.reads)
 
     def has_room(self, seq: Sequence) -> bool:
         """Whether the store has room for what the turn will save, beside what turns already
@@ -71,8 +74,7 @@ class Reclaimer:
         none is (then it runs, and a full store refuses it as before). A turn bigger than the
         whole store is refused at once. Called under the engine's lock."""
         s = seq.session
-        parent = self.registry.sessions.get(s.meta.parent) if s.meta.parent else None
-        if s.releasing or (parent is not None and parent.releasing):
+        if s.releasing or self._reads_released(s):
             return False  # queued, its chunks are being given up for room: it reads what is left
         n = len(seq.new_tokens) + (seq.params.max_new_tokens if seq.sample else 0)
         need = self.store.bytes_for(s.id, seq.keep - s.base, n)
@@ -167,7 +169,7 @@ class Reclaimer:
         to be released), then those whose turn is queued, then contexts that sessions use."""
         with self.lock:
             owners = list(self.registry.sessions.values())
-            used = {s.meta.parent for s in owners if s.meta.parent is not None}
+            used = {c for s in owners for c in s.reads}
             order = sorted(owners, key=lambda s: (s.id in used, s.busy, s.resident, s.last_used))
         yield from order
 
@@ -194,7 +196,7 @@ class Reclaimer:
                 return False
             if expiring and s.updated >= time.time() - self.cfg.session_ttl_s:
                 return False  # a turn ended since it was listed
-            if any(o.meta.parent == s.id and in_use(o) for o in self.registry.sessions.values()):
+            if any(s.id in o.reads and in_use(o) for o in self.registry.sessions.values()):
                 return False
             if not expiring and self.store.stored_bytes(s.id) == 0:
                 return False

@@ -105,6 +105,9 @@ class TurnStats:
     bytes_read: int = 0
     fallback_layers: int = 0
     tbt_ms: list[float] = field(default_factory=list)
+    placed_tokens: int = 0  # a blend's: context tokens placed from storage instead of prefilled
+    recomputed_tokens: int = 0  # of those, recomputed by the blend
+    context_fallbacks: list[str] = field(default_factory=list)  # contexts partly recomputed: unreadable chunks
 
 
 @dataclass(frozen=True)

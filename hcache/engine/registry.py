@@ -109,10 +109,12 @@ class Registry:
         self.add(s)
         return s
 
-    def add(self, s: Session, fork_of: tuple[str, int] | None = None) -> None:
-        """A new session stored: empty, or sharing the first tokens of `fork_of` (owner, tokens)."""
+    def add(self, s: Session, fork_of: tuple[str, int] | None = None, kinds: list[Stored] | None = None) -> None:
+        """A new session stored: empty (storing `kinds` per layer, default the engine's), or
+        sharing the first tokens of `fork_of` (owner, tokens)."""
         if fork_of is None:
-            self.store.create_owner(s.id, list(self.kinds), self.fingerprint, kind=s.kind, meta=s.meta.to_dict())
+            stored = list(kinds or self.kinds)
+            self.store.create_owner(s.id, stored, self.fingerprint, kind=s.kind, meta=s.meta.to_dict())
         else:
             self.store.fork(fork_of[0], s.id, fork_of[1], s.meta.to_dict(), s.index_as)
         self.sessions[s.id] = s
@@ -152,7 +154,7 @@ class Registry:
 
     def delete(self, s: Session) -> None:
         if s.kind == "context":
-            users = [o.id for o in self.sessions.values() if o.meta.parent == s.id]
+            users = [o.id for o in self.sessions.values() if s.id in o.reads]
             if users:
                 raise FailedPrecondition(f"context {s.id} is shared by {len(users)} session(s); delete them first")
         self.store.delete(s.id)

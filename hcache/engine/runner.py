@@ -18,6 +18,7 @@ import torch
 from hcache import omp
 from hcache.config import EngineConfig
 from hcache.engine.block_pool import BatchCache, BlockPool, PagedCache, warm_decode
+from hcache.engine.compose import BlendJob
 from hcache.engine.errors import EngineError
 from hcache.engine.prefill import PrefillJob
 from hcache.engine.sampler import Sampler
@@ -26,6 +27,7 @@ from hcache.engine.sequence import Phase, Sequence
 from hcache.model.attention import key_width
 from hcache.model.base import DecoderModel
 from hcache.model.decode import BLOCK_TOKENS, DecodeGraph, StepOut
+from hcache.restore.blend import Document
 from hcache.restore.plan import Plan
 from hcache.restore.state import StateSource
 from hcache.storage.fetched import Fetched
@@ -137,6 +139,19 @@ class Runner:
         )
         if plan is not None:
             s.cache.length = 0
+        seq.steps = seq.job.run()
+        seq.sampler = Sampler(seq.params)
+
+    def start_blend(self, seq: Sequence, docs: list[Document]) -> None:
+        """The first turn of a blended session: its contexts placed from `docs`, then the rest."""
+        s = seq.session
+        assert s.cache is not None and seq.keep == 0
+        n = len(s.meta.prefix)
+        assert seq.new_tokens[:n] == s.meta.prefix, "a blend's first turn starts with its contexts"
+        saver = Saver(self.store, s.id)
+        suffix = seq.new_tokens[n:]
+        seq.job = BlendJob(self.model, s.cache, docs, suffix, s.meta.fraction, saver, self.cfg.piece_tokens)
+        s.cache.length = 0
         seq.steps = seq.job.run()
         seq.sampler = Sampler(seq.params)
 

@@ -13,7 +13,7 @@ from enum import Enum
 from typing import Protocol
 
 from hcache.engine.detokenizer import TextStream
-from hcache.engine.prefill import PrefillJob
+from hcache.engine.prefill import Job
 from hcache.engine.records import PlanSummary, RestoreResult, TurnStats
 from hcache.engine.sampler import Sampler, SamplingParams
 from hcache.engine.session import Session
@@ -61,7 +61,7 @@ class Sequence:
     user_message: str | None = None
     phase: Phase = Phase.WAITING
     sampler: Sampler | None = None
-    job: PrefillJob | None = None
+    job: Job | None = None
     steps: Iterator[bool] | None = None  # the job's run()
     generated: list[int] = field(default_factory=list)
     text: TextStream | None = None
@@ -120,7 +120,7 @@ class Sequence:
         rep = self.job.report if self.job else None
         end = self.t_last or time.perf_counter()
         return TurnStats(
-            restore_ms=rep.restore_ms if rep and self.plan else 0.0,
+            restore_ms=rep.restore_ms if rep else 0.0,
             prefill_ms=rep.prefill_ms if rep else 0.0,
             ttft_ms=(self.t_first - self.t_submit) * 1e3 if self.t_first else 0.0,
             queue_ms=(self.t_start - self.t_submit) * 1e3 if self.t_start else 0.0,
@@ -132,6 +132,9 @@ class Sequence:
             bytes_read=rep.bytes_read if rep else 0,
             fallback_layers=rep.fallback_layers if rep else 0,
             tbt_ms=list(self.tbt_ms),
+            placed_tokens=rep.placed_tokens if rep else 0,
+            recomputed_tokens=rep.recomputed_tokens if rep else 0,
+            context_fallbacks=list(rep.context_fallbacks) if rep else [],
         )
 
     def restore_result(self) -> RestoreResult:

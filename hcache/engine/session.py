@@ -31,6 +31,10 @@ class SessionMeta:
     context_ids: list[str] = field(default_factory=list)
     turns: int = 0
     tenant: str | None = None
+    # "blend" or "concat": its contexts' stored KV is placed, not prefilled, by its first
+    # turn (with `fraction` of their tokens recomputed), and it stores KV only
+    compose: str = ""
+    fraction: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -44,6 +48,8 @@ class SessionMeta:
             "context_ids": list(self.context_ids),
             "turns": self.turns,
             "tenant": self.tenant,
+            "compose": self.compose,
+            "fraction": self.fraction,
         }
 
     @classmethod
@@ -60,6 +66,8 @@ class SessionMeta:
             context_ids=list(d.get("context_ids", [])),
             turns=int(d.get("turns", 0)),
             tenant=d.get("tenant"),
+            compose=d.get("compose", ""),
+            fraction=float(d.get("fraction", 0.0)),
         )
 
 
@@ -100,7 +108,7 @@ class Session:
 
     @property
     def lineage(self) -> Lineage:
-        return Lineage(self.id, self.kind, self.meta.parent, self.meta.base)
+        return Lineage(self.id, self.kind, self.meta.parent, self.meta.base, kv_only=bool(self.meta.compose))
 
     def drop_fetched(self) -> None:
         """The turn that fetched rows did not start: back to the durable state, the record's
@@ -113,13 +121,22 @@ class Session:
             del self.tokens[self.base + f.start :]
 
     @property
+    def reads(self) -> list[str]:
+        """The contexts whose stored state its next turn or restore reads: its parent's, or
+        before the first turn of a blend, every context it places."""
+        m = self.meta
+        if m.compose and not self.tokens:
+            return list(m.context_ids)
+        return [m.parent] if m.parent is not None else []
+
+    @property
     def own_tokens(self) -> list[int]:
         return self.tokens[self.base :]
 
     @property
     def index_as(self) -> str | None:
-        """The namespace (its tenant's) under which a chat session's stored prefixes are found
-        by resent conversations; None for sessions on a context or fed token ids."""
+        """The namespace (its tenant's) under which its stored prefixes are found by resent
+        conversations and compositions (`index_namespace`); None where they are not."""
         return index_namespace(self.kind, self.meta)
 
     @property
@@ -143,6 +160,10 @@ class Session:
 
 
 def index_namespace(kind: str, meta: SessionMeta) -> str | None:
-    if kind != "session" or meta.parent is not None or meta.prefix or meta.mode != "chat":
+    """Chat sessions of their own state, and exact compositions of contexts (their documents'
+    tokens lead them) after their first turn, are found by what extends them."""
+    if kind != "session" or meta.parent is not None or meta.compose:
+        return None
+    if meta.mode != "chat" and not (meta.prefix and meta.mode):
         return None
     return "tenant:" + meta.tenant if meta.tenant is not None else "-"

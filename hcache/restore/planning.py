@@ -33,6 +33,7 @@ class Lineage:
     kind: str  # "session" | "context"
     parent: str | None
     base: int
+    kv_only: bool = False  # its KV is not what a forward gives (a blend): only KV restores it
 
 
 def layer_kinds_for(
@@ -85,6 +86,10 @@ class RestorePlanner:
         `fetched` into memory, every layer reads them (KV where stored: a copy beats a projection)."""
         L = self.model.cfg.num_layers
         stored = self.stored(who, n)
+        if who.kv_only:
+            if method not in (None, Method.KV):
+                raise NotStored(f"{who.kind} {who.owner} holds blended state, which only its stored KV restores")
+            method = Method.KV
         if method == Method.RECOMPUTE:
             return Plan.uniform(L, method), None
         if method is not None:

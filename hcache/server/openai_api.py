@@ -6,7 +6,9 @@ A request names its session (`session_id` in the body, which openai-python sends
 stored messages plus one new user message. Without a session, the turn runs in a new session
 that shares the stored state of the longest conversation under the same API key that the
 request extends (found by whole 64-token chunks, matched token by token, shared copy-on-write;
-the stored one stays as it was). Every
+the stored one stays as it was). A new session may instead start on precomputed contexts
+(`extra_body={"contexts": [ids], "context_mode": "exact" | "blend" | "concat",
+"blend_fraction": 0.15}`), placed in that order before the conversation. Every
 response names its session (`session_id`, and the `x-session-id` header).
 API keys arrive as `Authorization: Bearer` and are the gRPC side's tenants."""
 
@@ -29,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
+from hcache.engine.compose import Composition
 from hcache.engine.engine import Engine
 from hcache.engine.errors import InvalidArgument, Unavailable
 from hcache.engine.records import TurnStats
@@ -42,6 +45,7 @@ log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
 MAX_MESSAGES = 4096
 MAX_STOPS = 4  # OpenAI's limit
+MAX_CONTEXTS = 256
 TYPE_OF = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -112,6 +116,11 @@ class ChatRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
     session_id: str | None = Field(None, min_length=1, max_length=200)
+    # hcache's extension: precomputed contexts (RAG documents) placed before the conversation
+    # of a new session, in order, as `context_mode` says (the server's by default)
+    contexts: list[Annotated[str, Field(min_length=1, max_length=200)]] | None = Field(None, max_length=MAX_CONTEXTS)
+    context_mode: Literal["exact", "blend", "concat"] | None = None
+    blend_fraction: float | None = Field(None, ge=0, le=1)
 
     def sampling(self, default_max: int) -> tuple[SamplingParams, list[str]]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -196,6 +205,8 @@ def _start(
     msgs = [m.as_dict() for m in body.messages]
     if msgs[-1]["role"] != "user":
         raise ApiError(400, "the last message must be the user's", "invalid_request", "messages")
+    if sid and body.contexts:
+        raise ApiError(400, "contexts are given when a session starts, not to a session", "invalid_request", "contexts")
     if sid:
         s = engine.get(sid, who)
         stored = s.meta.messages
@@ -208,7 +219,13 @@ def _start(
                 "messages",
             )
         return s, engine.generate(s.id, msgs[-1]["content"], None, params, stops, who, sink)
-    s, _ = engine.continue_chat(msgs, who)
+    if body.contexts:
+        cfg = engine.cfg
+        frac = cfg.blend_fraction if body.blend_fraction is None else body.blend_fraction
+        how = Composition(body.context_mode or cfg.context_mode, frac)
+        s = engine.create_session(context_ids=body.contexts, tenant=who, history=msgs[:-1], composition=how)
+    else:
+        s, _ = engine.continue_chat(msgs, who)
     try:
         return s, engine.generate(s.id, msgs[-1]["content"], None, params, stops, who, sink)
     except Exception:
@@ -309,12 +326,19 @@ class _Head:
 
 def _usage(st: TurnStats) -> dict:
     prompt = st.prompt_tokens + st.cached_tokens  # OpenAI's prompt counts the cached part too
-    return {
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": st.completion_tokens,
         "total_tokens": prompt + st.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": st.cached_tokens},
     }
+    if st.placed_tokens:  # hcache's: what a blend placed from storage and recomputed
+        usage["context_details"] = {
+            "placed_tokens": st.placed_tokens,
+            "recomputed_tokens": st.recomputed_tokens,
+            "fallbacks": st.context_fallbacks,
+        }
+    return usage
 
 
 def _model_card(engine: Engine) -> dict:

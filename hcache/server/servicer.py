@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import grpc
 from google.protobuf import empty_pb2
 
+from hcache.engine.compose import Composition
 from hcache.engine.engine import Engine
 from hcache.engine.errors import InvalidArgument
 from hcache.engine.records import EngineSnapshot, PlanSummary, RestoreResult, TurnStats
@@ -25,6 +26,11 @@ METHODS = {
     pb.RESTORE_METHOD_HIDDEN: Method.HIDDEN,
     pb.RESTORE_METHOD_KV: Method.KV,
     pb.RESTORE_METHOD_RECOMPUTE: Method.RECOMPUTE,
+}
+CONTEXT_MODES = {
+    pb.CONTEXT_MODE_EXACT: "exact",
+    pb.CONTEXT_MODE_BLEND: "blend",
+    pb.CONTEXT_MODE_CONCAT: "concat",
 }
 MAX_PAGE = 1000
 
@@ -54,11 +60,11 @@ def context_pb(c: Session, reused: bool = False) -> pb.Context:
     return pb.Context(context_id=c.id, num_tokens=len(c.tokens), labels=c.meta.labels, reused=reused)
 
 
-def event_pb(ev: Event) -> pb.GenerateResponse:
+def event_pb(ev: Event, session_id: str) -> pb.GenerateResponse:
     if not ev.finished:
         return pb.GenerateResponse(text=ev.text, token_ids=ev.token_ids)
     stats = turn_stats_pb(ev.stats or TurnStats())
-    return pb.GenerateResponse(finished=True, finish_reason=ev.finish_reason, stats=stats)
+    return pb.GenerateResponse(finished=True, finish_reason=ev.finish_reason, stats=stats, session_id=session_id)
 
 
 def turn_stats_pb(st: TurnStats) -> pb.GenerateStats:
@@ -74,6 +80,9 @@ def turn_stats_pb(st: TurnStats) -> pb.GenerateStats:
         decode_ms=st.decode_ms,
         bytes_read=st.bytes_read,
         fallback_layers=st.fallback_layers,
+        placed_tokens=st.placed_tokens,
+        recomputed_tokens=st.recomputed_tokens,
+        context_fallbacks=st.context_fallbacks,
     )
 
 
@@ -135,23 +144,46 @@ def sampling_of(req: pb.GenerateRequest, default_max: int) -> tuple[SamplingPara
     return params, list(s.stop)
 
 
+def composition_of(req: pb.CreateSessionRequest | pb.GenerateRequest, mode: str, fraction: float) -> Composition:
+    """The request's context mode and blend fraction, the server's (`mode`, `fraction`) where unset."""
+    if req.context_mode not in (pb.CONTEXT_MODE_DEFAULT, *CONTEXT_MODES):
+        raise InvalidArgument(f"unknown context mode {req.context_mode}")
+    return Composition(
+        CONTEXT_MODES.get(req.context_mode, mode), req.blend_fraction if req.HasField("blend_fraction") else fraction
+    )
+
+
 class Servicer(pb_grpc.HCacheServicer):
     def __init__(self, engine: Engine):
         self.engine = engine
 
+    def _composition(self, request: pb.CreateSessionRequest | pb.GenerateRequest) -> Composition:
+        return composition_of(request, self.engine.cfg.context_mode, self.engine.cfg.blend_fraction)
+
     def CreateSession(self, request: pb.CreateSessionRequest, context: grpc.ServicerContext) -> pb.Session:
-        s = self.engine.create_session(
-            request.system_prompt, list(request.context_ids), dict(request.labels), tenant_var.get()
-        )
+        how = self._composition(request)
+        ids, labels = list(request.context_ids), dict(request.labels)
+        s = self.engine.create_session(request.system_prompt, ids, labels, tenant_var.get(), composition=how)
         return session_pb(s)
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         params, stops = sampling_of(request, self.engine.cfg.default_max_new_tokens)
-        ids = list(request.token_ids)
-        seq = self.engine.generate(request.session_id, request.message, ids, params, stops, tenant_var.get())
+        ids, sid, tenant = list(request.token_ids), request.session_id, tenant_var.get()
+        if request.context_ids:
+            if sid:
+                raise InvalidArgument("a session's contexts are given when it is created, not with its turns")
+            how = self._composition(request)
+            sid = self.engine.create_session(context_ids=list(request.context_ids), tenant=tenant, composition=how).id
+            try:
+                seq = self.engine.generate(sid, request.message, ids, params, stops, tenant)
+            except Exception:
+                self.engine.delete(sid, tenant)  # refused before it ran: nothing of it is kept
+                raise
+        else:
+            seq = self.engine.generate(sid, request.message, ids, params, stops, tenant)
         context.add_callback(lambda: self.engine.cancel(seq))  # runs when the client goes away, too
         for ev in self.engine.stream(seq):
-            yield event_pb(ev)
+            yield event_pb(ev, sid)
 
     def RestoreSession(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.RestoreResponse:
         if request.method not in METHODS:

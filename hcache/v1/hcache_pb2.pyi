@@ -8,19 +8,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ContextMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CONTEXT_MODE_DEFAULT: _ClassVar[ContextMode]
+    CONTEXT_MODE_EXACT: _ClassVar[ContextMode]
+    CONTEXT_MODE_BLEND: _ClassVar[ContextMode]
+    CONTEXT_MODE_CONCAT: _ClassVar[ContextMode]
+
 class RestoreMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     RESTORE_METHOD_AUTO: _ClassVar[RestoreMethod]
     RESTORE_METHOD_HIDDEN: _ClassVar[RestoreMethod]
     RESTORE_METHOD_KV: _ClassVar[RestoreMethod]
     RESTORE_METHOD_RECOMPUTE: _ClassVar[RestoreMethod]
+CONTEXT_MODE_DEFAULT: ContextMode
+CONTEXT_MODE_EXACT: ContextMode
+CONTEXT_MODE_BLEND: ContextMode
+CONTEXT_MODE_CONCAT: ContextMode
 RESTORE_METHOD_AUTO: RestoreMethod
 RESTORE_METHOD_HIDDEN: RestoreMethod
 RESTORE_METHOD_KV: RestoreMethod
 RESTORE_METHOD_RECOMPUTE: RestoreMethod
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("system_prompt", "context_ids", "labels")
+    __slots__ = ("system_prompt", "context_ids", "labels", "context_mode", "blend_fraction")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -31,10 +42,14 @@ class CreateSessionRequest(_message.Message):
     SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_MODE_FIELD_NUMBER: _ClassVar[int]
+    BLEND_FRACTION_FIELD_NUMBER: _ClassVar[int]
     system_prompt: str
     context_ids: _containers.RepeatedScalarFieldContainer[str]
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, system_prompt: _Optional[str] = ..., context_ids: _Optional[_Iterable[str]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    context_mode: ContextMode
+    blend_fraction: float
+    def __init__(self, system_prompt: _Optional[str] = ..., context_ids: _Optional[_Iterable[str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., context_mode: _Optional[_Union[ContextMode, str]] = ..., blend_fraction: _Optional[float] = ...) -> None: ...
 
 class Session(_message.Message):
     __slots__ = ("session_id", "num_tokens", "resident", "labels", "context_ids", "turns", "busy", "last_plan", "last_restore_ms", "created_unix", "updated_unix")
@@ -92,16 +107,22 @@ class SamplingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "message", "token_ids", "sampling")
+    __slots__ = ("session_id", "message", "token_ids", "sampling", "context_ids", "context_mode", "blend_fraction")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_MODE_FIELD_NUMBER: _ClassVar[int]
+    BLEND_FRACTION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     message: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
-    def __init__(self, session_id: _Optional[str] = ..., message: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    context_ids: _containers.RepeatedScalarFieldContainer[str]
+    context_mode: ContextMode
+    blend_fraction: float
+    def __init__(self, session_id: _Optional[str] = ..., message: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., context_ids: _Optional[_Iterable[str]] = ..., context_mode: _Optional[_Union[ContextMode, str]] = ..., blend_fraction: _Optional[float] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("recompute", "hidden", "kv", "layers")
@@ -116,7 +137,7 @@ class Plan(_message.Message):
     def __init__(self, recompute: _Optional[int] = ..., hidden: _Optional[int] = ..., kv: _Optional[int] = ..., layers: _Optional[str] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("restore_ms", "prefill_ms", "ttft_ms", "plan", "prompt_tokens", "cached_tokens", "completion_tokens", "queue_ms", "decode_ms", "bytes_read", "fallback_layers")
+    __slots__ = ("restore_ms", "prefill_ms", "ttft_ms", "plan", "prompt_tokens", "cached_tokens", "completion_tokens", "queue_ms", "decode_ms", "bytes_read", "fallback_layers", "placed_tokens", "recomputed_tokens", "context_fallbacks")
     RESTORE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +149,9 @@ class GenerateStats(_message.Message):
     DECODE_MS_FIELD_NUMBER: _ClassVar[int]
     BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PLACED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     restore_ms: float
     prefill_ms: float
     ttft_ms: float
@@ -139,21 +163,26 @@ class GenerateStats(_message.Message):
     decode_ms: float
     bytes_read: int
     fallback_layers: int
-    def __init__(self, restore_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., bytes_read: _Optional[int] = ..., fallback_layers: _Optional[int] = ...) -> None: ...
+    placed_tokens: int
+    recomputed_tokens: int
+    context_fallbacks: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, restore_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., bytes_read: _Optional[int] = ..., fallback_layers: _Optional[int] = ..., placed_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., context_fallbacks: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "finished", "finish_reason", "stats")
+    __slots__ = ("text", "token_ids", "finished", "finish_reason", "stats", "session_id")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: bool
     finish_reason: str
     stats: GenerateStats
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[GenerateStats, _Mapping]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[GenerateStats, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("session_id", "method")

@@ -9,6 +9,7 @@ import time
 import urllib.error
 import urllib.request
 
+import grpc
 import openai
 import pytest
 from engine_helpers import profile_for
@@ -295,3 +296,58 @@ def test_busy_session_key_limit_and_draining_get_409_429_503(limited):
     with pytest.raises(openai.InternalServerError) as gone:
         c.chat.completions.create(model="default", messages=hi, max_tokens=2)
     assert gone.value.status_code == 503 and "draining" in openai_error(gone.value)["message"]
+
+
+DOCS = [
+    "The Zarnik bridge in Oslen was finished in 1931 and is 412 metres long.",
+    "Oslen's largest library holds 2.1 million books and opened in 1968.",
+    "The river under the Zarnik bridge is called the Vell; it freezes most winters.",
+]
+
+
+def test_contexts_over_grpc_and_openai(live):
+    """One-shot questions over precomputed documents: exact equals a plain prefill of the same
+    tokens; blend and concat place them; a deleted context is NOT_FOUND by name."""
+    question = "How long is the Zarnik bridge?"
+    tok = live.engine.tok
+    with grpc_client(live) as g:
+        ctx = [g.precompute_context(text=d) for d in DOCS]
+        ids = [c.context_id for c in ctx]
+        exact = g.ask(ids, question, "exact", max_new_tokens=12)
+        plain = g.create_session().session_id
+        prompt = [t for d in DOCS for t in tok.encode(d)] + tok.encode_chat([{"role": "user", "content": question}])
+        assert exact.token_ids == g.reply(plain, token_ids=prompt, max_new_tokens=12).token_ids
+        assert exact.session_id and exact.stats.cached_tokens == ctx[0].num_tokens
+        blend = g.ask(ids, question, "blend", 0.5, max_new_tokens=12)
+        placed = sum(c.num_tokens for c in ctx)
+        assert blend.stats.placed_tokens == placed and blend.stats.recomputed_tokens == -(-placed // 2)
+        assert g.get(blend.session_id).context_ids == ids
+    c = oai(live)
+    r = c.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": question}],
+        temperature=0,
+        max_tokens=12,
+        extra_body={"contexts": ids, "context_mode": "exact"},
+    )
+    assert r.choices[0].message.content == exact.text
+    r = c.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": question}],
+        temperature=0,
+        max_tokens=12,
+        extra_body={"contexts": ids, "context_mode": "concat"},
+    )
+    assert r.usage.context_details == {"placed_tokens": placed, "recomputed_tokens": 0, "fallbacks": []}
+    with grpc_client(live) as g:
+        g.delete(ctx[2].context_id)
+        with pytest.raises(grpc.RpcError) as e:
+            g.ask(ids, question, max_new_tokens=4)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and ctx[2].context_id in e.value.details()
+    st, body = post(live, {"model": "default", "messages": [{"role": "user", "content": "hi"}], "contexts": ids})
+    assert st == 404 and ctx[2].context_id in body["error"]["message"]
+    st, body = post(
+        live,
+        {"model": "default", "messages": [{"role": "user", "content": "hi"}], "contexts": ids[:2], "blend_fraction": 2},
+    )
+    assert st == 400 and body["error"]["param"] == "blend_fraction"
