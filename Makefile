@@ -77,6 +77,7 @@ bench: bench-peers
 	$(PY) bench/restore.py
 	$(PY) bench/engine.py
 	$(PY) bench/serve.py
+	$(PY) bench/rag.py --quality-queries 16
 	$(PY) bench/results.py
 
 lint: $(VENV)/.test

@@ -9,12 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from hcache.benchmarks.engine import section as engine_section
+from hcache.benchmarks.rag import section as rag_section
 from hcache.benchmarks.results_gpu import gpu_section
 from hcache.benchmarks.results_peers import fmt, kind_section, peers_section
 
 COMMANDS = """\
 make bench-peers          # builds llama-cpp-python into .venv (once, ~12 min), runs bench/peers.py
 make bench                # bench-peers + the storage, restore, engine and serve benchmarks, then this page
+.venv/bin/python bench/rag.py --quality-queries 16     # questions over stored documents, by context mode
 .venv/bin/python bench/peers.py --dirs /path/on/nvme    # one benchmark alone; --help for options
 .venv/bin/python bench/peers.py --device cuda --dtype bfloat16 --skip llama.cpp transformers \\
     --out bench/results/peers_gpu_bfloat16.json          # hcache alone on a GPU
@@ -38,6 +40,9 @@ def render(results: Path, bench_dir: Path) -> str:
     eng = _load(results, "engine")
     if eng is not None:
         lines += engine_section(eng)
+    rag = _load(results, "rag")
+    if rag is not None:
+        lines += rag_section(rag)
     for name, title in (
         ("serve", "Serving trace"),
         ("storage", "Storage"),
