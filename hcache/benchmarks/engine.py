@@ -41,7 +41,8 @@ from hcache.storage.dirs import ensure_dirs
 from hcache.storage.store import ChunkStore
 
 
-def _turn(engine: Engine, sid: str, ids: list[int], max_new: int = 1) -> TurnStats:
+def run_turn(engine: Engine, sid: str, ids: list[int], max_new: int = 1) -> TurnStats:
+    """A token turn run to its end; its stats."""
     seq = engine.generate(sid, token_ids=ids, params=SamplingParams(max_new_tokens=max_new, ignore_eos=True))
     stats = TurnStats()
     for ev in engine.stream(seq):
@@ -71,7 +72,7 @@ def _turn_under_reads(
             raise RuntimeError("the reader process did not start")
         reader.stdin.write("go\n")
         reader.stdin.flush()
-        st = _turn(engine, s.id, ids)
+        st = run_turn(engine, s.id, ids)
         nbytes, ms = reader.stdout.readline().split()
     finally:
         reader.wait()
@@ -125,14 +126,14 @@ def run(args: argparse.Namespace) -> dict:
             for mode in ("fused", "sequential"):
                 engine.cfg.fused = mode == "fused"
                 s = engine.create_session(context_ids=[ctx.id])
-                st = _turn(engine, s.id, [rng.randrange(vocab) for _ in range(args.turn)])
+                st = run_turn(engine, s.id, [rng.randrange(vocab) for _ in range(args.turn)])
                 rows[mode].append(st.ttft_ms)
                 plans.add(st.plan.layers)
                 engine.delete(s.id)
             s = engine.create_session(context_ids=[ctx.id])
             r = engine.restore(s.id)
             rows["restore"].append(r.restore_ms)
-            st = _turn(engine, s.id, [rng.randrange(vocab) for _ in range(args.turn)])
+            st = run_turn(engine, s.id, [rng.randrange(vocab) for _ in range(args.turn)])
             rows["turn_prefill"].append(st.prefill_ms)
             rows["turn"].append(st.ttft_ms)
             out["restore_bytes"] = r.bytes_read
@@ -153,7 +154,7 @@ def run(args: argparse.Namespace) -> dict:
 
         # TBT of a decoding session, alone and while other sessions restore the document
         d = engine.create_session()
-        _turn(engine, d.id, [rng.randrange(vocab) for _ in range(64)])
+        run_turn(engine, d.id, [rng.randrange(vocab) for _ in range(64)])
         alone = _decode_tbt(engine, d.id, rng, vocab, args.decode_tokens, None)
         during = _decode_tbt(engine, d.id, rng, vocab, args.decode_tokens, ctx.id)
         out["tbt"] = {

@@ -28,13 +28,13 @@ import torch
 
 from hcache import omp
 from hcache.benchmarks import report
+from hcache.benchmarks.engine import run_turn
 from hcache.benchmarks.peers import machine
 from hcache.config import EngineConfig, StorageConfig
 from hcache.engine.block_pool import resident_kv_dtype
 from hcache.engine.compose import Composition
 from hcache.engine.engine import Engine
 from hcache.engine.generate import generate
-from hcache.engine.records import TurnStats
 from hcache.engine.sampler import SamplingParams
 from hcache.kernels.cpu import cpu
 from hcache.model.attention import KVCache
@@ -161,15 +161,6 @@ def quality(
     }
 
 
-def _ttft(engine: Engine, sid: str, ids: list[int]) -> TurnStats:
-    seq = engine.generate(sid, token_ids=ids, params=SamplingParams(max_new_tokens=1, ignore_eos=True))
-    stats = TurnStats()
-    for ev in engine.stream(seq):
-        if ev.finished and ev.stats is not None:
-            stats = ev.stats
-    return stats
-
-
 def speed(engine: Engine, ctx: list[str], docs: list[list[int]], queries: list, fraction: float) -> dict:
     """TTFT per mode, the modes interleaved within each query."""
     runs: dict[str, list[float]] = {m: [] for m in ("full", "exact", "exact_prefix_hit", "blend", "concat")}
@@ -177,7 +168,7 @@ def speed(engine: Engine, ctx: list[str], docs: list[list[int]], queries: list, 
     for order, question, _ in queries:
         ids = [ctx[d] for d in order]
         s = engine.create_session()
-        runs["full"].append(_ttft(engine, s.id, [t for d in order for t in docs[d]] + question).ttft_ms)
+        runs["full"].append(run_turn(engine, s.id, [t for d in order for t in docs[d]] + question).ttft_ms)
         for mode, how in (
             ("exact", Composition("exact")),
             ("exact_prefix_hit", Composition("exact")),
@@ -185,7 +176,7 @@ def speed(engine: Engine, ctx: list[str], docs: list[list[int]], queries: list, 
             ("concat", Composition("concat")),
         ):
             s = engine.create_session(context_ids=ids, composition=how)
-            st = _ttft(engine, s.id, question)
+            st = run_turn(engine, s.id, question)
             runs[mode].append(st.ttft_ms)
             plans[mode] = st.cached_tokens + st.placed_tokens
     full = statistics.median(runs["full"])
@@ -244,7 +235,7 @@ def run(args: argparse.Namespace) -> dict:
         try:
             ctx = [engine.precompute_context(token_ids=d).id for d in docs]
             qs = [query(i) for i in range(args.speed_queries)]
-            _ttft(engine, engine.create_session().id, docs[0][:64])  # the engine's first turn, not timed
+            run_turn(engine, engine.create_session().id, docs[0][:64])  # the engine's first turn, not timed
             out["speed"] = speed(engine, ctx, docs, qs, args.blend_fraction)
             out["speed_queries"] = len(qs)
         finally:

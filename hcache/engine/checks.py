@@ -47,6 +47,11 @@ def tokens(ids: list[int], vocab: int) -> None:
         raise InvalidArgument(f"token ids outside the vocabulary (0..{vocab - 1}): {bad[:5]}")
 
 
+def within_context(ids: list[int], max_position: int, what: str) -> None:
+    if len(ids) > max_position:
+        raise InvalidArgument(f"{what} of {len(ids)} tokens exceeds the model's context of {max_position}")
+
+
 def not_busy(s: Session) -> None:
     if s.busy:
         raise FailedPrecondition(f"{s.kind} {s.id} is busy with another request")

@@ -58,10 +58,12 @@ def compose(
     labels: dict[str, str],
     tenant: str | None,
 ) -> tuple[Session, int]:
-    """A new session on two or more contexts, and how many of its tokens are stored already.
-    Called under the engine's lock."""
-    prefix = [t for c in contexts for t in c.tokens]
+    """A new session on `contexts`, and how many of its tokens an earlier composition's
+    stored state gives it (0: none did). Called under the engine's lock."""
     ids = [c.id for c in contexts]
+    if len(contexts) < 2:
+        return registry.create("session", labels, ids, messages, tenant), 0
+    prefix = [t for c in contexts for t in c.tokens]
     meta = SessionMeta(prefix=prefix, messages=messages, labels=labels, context_ids=ids, tenant=tenant)
     if how.mode != "exact":
         meta.compose, meta.fraction = how.mode, how.fraction if how.mode == "blend" else 0.0
@@ -71,8 +73,9 @@ def compose(
         return s, 0
     first = contexts[0]
     lead = longest_stored(registry, [*prefix, -1], tenant)  # -1: no token, so it may match them all
-    parent, n = lead if lead is not None and lead[1] > len(first.tokens) else (first, len(first.tokens))
-    return fork(registry, parent, n, meta), n
+    if lead is not None and lead[1] > len(first.tokens):
+        return fork(registry, lead[0], lead[1], meta), lead[1]
+    return fork(registry, first, len(first.tokens), meta), 0
 
 
 def documents(

@@ -116,13 +116,10 @@ class Engine:
             checks.session_limit(self.registry.sessions.values(), tenant, self.cfg.max_sessions_per_tenant)
             contexts = [self.registry.get(c, "context", tenant) for c in ids]
             checks.contexts_fit(contexts, self.model.cfg.max_position, self.pool.num_blocks * BLOCK_TOKENS)
-            if len(contexts) < 2:
-                s = self.registry.create("session", dict(labels or {}), ids, messages, tenant)
-            else:
-                s, shared = compose(self.registry, contexts, how, messages, dict(labels or {}), tenant)
-                if shared > len(contexts[0].tokens):  # a composition stored before leads this one
-                    self.counters.prefix_matches += 1
-                    self.counters.prefix_tokens += shared
+            s, lead = compose(self.registry, contexts, how, messages, dict(labels or {}), tenant)
+            if lead:
+                self.counters.prefix_matches += 1
+                self.counters.prefix_tokens += lead
         self.sharing.created(s)
         return s
 
@@ -182,8 +179,7 @@ class Engine:
         checks.tokens(ids, self.model.cfg.vocab_size)
         if not ids:
             raise InvalidArgument("the context is empty")
-        if len(ids) > self.model.cfg.max_position:
-            raise InvalidArgument(f"context of {len(ids)} tokens exceeds the model's {self.model.cfg.max_position}")
+        checks.within_context(ids, self.model.cfg.max_position, "context")
         key = content_key(ids, tenant)
         while True:
             with self.lock:
@@ -231,8 +227,7 @@ class Engine:
         self._check_open()
         params = params or SamplingParams(max_new_tokens=self.cfg.default_max_new_tokens)
         stops = list(stops or [])
-        cap = self.model.cfg.max_position
-        checks.sampling(params, stops, cap)
+        checks.sampling(params, stops, self.model.cfg.max_position)
         checks.exactly_one(message, token_ids, "a turn is a non-empty message or a list of token_ids (exactly one)")
         lease = self.sharing.lease_turn(session_id, tenant)
         try:
@@ -256,7 +251,6 @@ class Engine:
         events: EventSink | None,
     ) -> Sequence:
         """The turn's sequence, checked; the session is busy with it from here."""
-        cap = self.model.cfg.max_position
         with self.lock:
             s = self.reclaimer.settle(session_id, tenant)
             if s.fetched is None:  # else busy since this request's lease fetched its rows
@@ -271,8 +265,7 @@ class Engine:
             else:
                 ids = s.acknowledged + ([m.pending] if m.pending is not None else []) + list(token_ids or [])
             checks.tokens(ids, self.model.cfg.vocab_size)
-            if len(ids) > cap:
-                raise InvalidArgument(f"prompt of {len(ids)} tokens exceeds the model's context of {cap}")
+            checks.within_context(ids, self.model.cfg.max_position, "prompt")
             keep = min(common_prefix(s.tokens, ids), len(ids) - 1)
             if keep < s.base:
                 raise FailedPrecondition(f"session {session_id} no longer starts with its context")
