@@ -108,7 +108,7 @@ class EngineConfig:
     kv_dtype: str = setting(
         "auto",
         "the resident KV's dtype (model: the activations'; bfloat16: half the bytes of float32, attended in "
-        "bfloat16; auto: bfloat16 under int4 weights, else model)",
+        "bfloat16; auto: bfloat16 under packed weights, else model)",
         choices=("auto", "model", "bfloat16"),
     )
     plan_tokens: int = setting(4096, "the session length the storage choice is planned for")
@@ -168,9 +168,10 @@ class Config:
     dtype: str = setting("float32", "weights and activations", choices=("float32", "bfloat16"))
     weights: str = setting(
         "auto",
-        "float: dequantized (the oracle); int4: packed int4 linears and int8 embedding/head on CPUs; "
-        "auto: int4 on a CPU for a GGUF file whose linears are all Q4_1, else float",
-        choices=("auto", "float", "int4"),
+        "float: dequantized (the oracle); packed: GGUF blocks on packed int4/int8 kernels (float "
+        "weights quantized to int4) and int8 embedding/head, on CPUs; auto: packed on a CPU for a GGUF "
+        "file whose linears are all Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K, else float",
+        choices=("auto", "float", "packed"),
     )
     device: str = setting("cpu", "torch device the model runs on")
     profile: str = setting("", "a profile JSON (empty: measure this machine once, then reuse it)")

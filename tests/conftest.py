@@ -48,14 +48,15 @@ TINY = {
 }
 
 
-# tests of a costly session fixture run on one xdist worker (`--dist loadgroup`), which builds it once
-COSTLY_FIXTURES = ("served_default", "hf_default", "qwen")
+# tests of a costly session fixture run on one xdist worker (`--dist loadgroup`), which builds it once;
+# the 0.5B model's two loadings share a worker (one process holds both, 2.6 GB)
+COSTLY_FIXTURES = {f: f for f in ("served_default", "hf_default", "qwen")} | {"qwen_packed": "qwen"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        costly = next((f for f in COSTLY_FIXTURES if f in getattr(item, "fixturenames", ())), None)
+        costly = next((g for f, g in COSTLY_FIXTURES.items() if f in getattr(item, "fixturenames", ())), None)
         if costly is not None and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(costly))
 
@@ -156,6 +157,15 @@ def qwen() -> LoadedModel:
     if DEVICE != "cpu":
         pytest.skip("the 0.5B model runs in the CPU suite")
     return load("qwen2.5-0.5b", "float32", DEVICE)
+
+
+@pytest.fixture(scope="session")
+def qwen_packed() -> LoadedModel:
+    """The 0.5B model as `hcache serve` loads it (`--weights auto`: its Q5_0/Q8_0/Q6_K blocks as
+    int8 rows, its Q4_K blocks as int4)."""
+    if DEVICE != "cpu":
+        pytest.skip("packed weights run on CPUs")
+    return load("qwen2.5-0.5b", "float32", weights="auto")
 
 
 @pytest.fixture(scope="session")

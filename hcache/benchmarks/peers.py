@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8000])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default="cpu", help="hcache's torch device (llama.cpp runs on the CPU)")
-    ap.add_argument("--weights", default="auto", choices=["auto", "float", "int4"], help="hcache's weight mode")
+    ap.add_argument("--weights", default="auto", choices=["auto", "float", "packed"], help="hcache's weight mode")
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "model", "bfloat16"], help="hcache's resident KV")
     ap.add_argument("--dirs", nargs="+", help="storage directories (default: a temp dir)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)

@@ -19,10 +19,10 @@ from hcache.model.geometry import ModelConfig
 
 def resident_kv_dtype(choice: str, model: DecoderModel) -> torch.dtype:
     """`EngineConfig.kv_dtype` as a dtype: "model" is the activations'; "auto" is bfloat16
-    under int4 weights, whose linears already give K and V in bfloat16 (so the pool loses
+    under packed weights, whose linears already give K and V in bfloat16 (so the pool loses
     only RoPE's rounding of K, and restores read half the bytes), else the activations'."""
     if choice == "auto":
-        return torch.bfloat16 if model.weights == "int4" else model.dtype
+        return torch.bfloat16 if model.weights == "packed" else model.dtype
     return model.dtype if choice == "model" else getattr(torch, choice)
 
 

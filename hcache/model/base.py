@@ -16,7 +16,7 @@ from torch import nn
 
 from hcache.model.cache import Cache
 from hcache.model.geometry import ModelConfig
-from hcache.model.quant import Int4Linear
+from hcache.model.quant import Int4Linear, Int8Linear, Int8Rows
 
 # where a layer's K and V `[T, kv_heads, head_dim]` go (a KV cache's rows), or None: new tensors
 KVOut = tuple[torch.Tensor, torch.Tensor] | None
@@ -61,8 +61,17 @@ class DecoderModel(nn.Module, ABC):
 
     @property
     def weights(self) -> str:
-        """The weight mode `load` gave: "int4" where linear layers run packed int4 kernels."""
-        return "int4" if any(isinstance(m, Int4Linear) for m in self.modules()) else "float"
+        """The weight mode `load` gave: "packed" where linear layers run packed low-bit kernels."""
+        return "packed" if any(isinstance(m, (Int4Linear, Int8Linear)) for m in self.modules()) else "float"
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold resident: every tensor once (tied and viewed ones share
+        storage), plus oneDNN's prepacked copies."""
+        seen: dict[int, int] = {}
+        for t in [*self.parameters(), *self.buffers()]:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return sum(seen.values()) + sum(m.packed_bytes for m in self.modules() if isinstance(m, Int8Rows))
 
     @property
     def device(self) -> torch.device:

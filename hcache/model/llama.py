@@ -12,14 +12,17 @@ from hcache.model.base import DecoderLayer, DecoderModel, KVOut
 from hcache.model.cache import Cache
 from hcache.model.geometry import ModelConfig
 from hcache.model.layers import RMSNorm, Rope, apply_rope, linear_into
-from hcache.model.quant import Int4Linear
+from hcache.model.quant import Int4Linear, Int8Linear
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
 
-def fused_int4(mods: tuple[nn.Module, ...]) -> Int4Linear | None:
-    """The int4 modules as one, or None: not all int4, or the kernel's packing does not
-    concatenate them on this CPU (`Int4Linear.joins`)."""
+def fused(mods: tuple[nn.Module, ...]) -> Int4Linear | Int8Linear | None:
+    """The packed modules as one, or None: not all of one packed kind, or the int4 kernel's
+    packing does not concatenate them on this CPU (`Int4Linear.joins`). Int8 rows always
+    concatenate: the kernel computes each output row alone from its own row."""
+    if all(isinstance(m, Int8Linear) for m in mods):
+        return Int8Linear.cat(mods)  # type: ignore[arg-type]
     if not all(isinstance(m, Int4Linear) for m in mods):
         return None
     if not all(Int4Linear.joins(m.out_features) for m in mods[:-1]):
@@ -40,23 +43,23 @@ class LlamaLayer(DecoderLayer):
         self.w_gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.w_up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        # int4 weights, fused (`fuse_int4`): Q, K, V as one matrix, K and V its row view, gate and up
+        # packed weights, fused (`fuse`): Q, K, V as one matrix, K and V its row view, gate and up
         self.wqkv: nn.Module | None = None
         self.wkv: nn.Module | None = None
         self.w_gu: nn.Module | None = None
 
-    def fuse_int4(self) -> None:
-        """Q, K and V as one int4 matrix and gate and up as another: one kernel call each where
+    def fuse(self) -> None:
+        """Q, K and V as one packed matrix and gate and up as another: one kernel call each where
         there were five, which matters most at a decode step's few rows (the kernel's per-call
         cost, and its split of a small N over the threads). The kernel computes each output
         column alone, so the results are the separate calls' bits. The H restore projects K
         and V alone through `wkv`, rows of the same packed weights. Each pair stays separate
-        where the packing does not concatenate (`fused_int4`)."""
-        qkv = fused_int4((self.wq, self.wk, self.wv))
+        where the packing does not concatenate (`fused`)."""
+        qkv = fused((self.wq, self.wk, self.wv))
         if qkv is not None:
             self.wqkv, self.wkv = qkv, qkv.rows(self.wq.out_features, qkv.out_features)
             del self.wq, self.wk, self.wv
-        gu = fused_int4((self.w_gate, self.w_up))
+        gu = fused((self.w_gate, self.w_up))
         if gu is not None:
             self.w_gu = gu
             del self.w_gate, self.w_up

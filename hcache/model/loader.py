@@ -1,6 +1,7 @@
 """Load weights, geometry and tokenizer from a GGUF file or a Hugging Face folder.
 
-GGUF tensors are dequantised to float with the `gguf` package. llama.cpp stores
+GGUF tensors are dequantised to float with the `gguf` package, or kept in their blocks on
+packed kernels (`gguf_blocks`). llama.cpp stores
 Llama Q/K rows permuted for its interleaved RoPE; we undo that so the same
 "rotate half" RoPE serves both sources."""
 
@@ -20,9 +21,10 @@ from torch import nn
 from hcache.model.base import DecoderModel
 from hcache.model.catalog import NAMED, named_path
 from hcache.model.geometry import ARCH_LLAMA, ARCH_OPT, ModelConfig
+from hcache.model.gguf_blocks import PACKED_TYPES, packed_linear, unpermute
 from hcache.model.llama import Llama, LlamaLayer
 from hcache.model.opt import OPT
-from hcache.model.quant import WEIGHT_MODES, Int4Linear, Int8Embedding, Int8Rows, int4_from_float, q4_1_groups
+from hcache.model.quant import WEIGHT_MODES, Int8Embedding, Int8Rows, int4_from_float
 from hcache.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -77,11 +79,11 @@ def resolve_model_path(name: str) -> Path:
 
 
 def load(name: str = "default", dtype: str = "float32", device: str = "cpu", weights: str = "float") -> LoadedModel:
-    """weights: `float` dequantizes every tensor (the oracle); `int4` keeps linear layers as
-    group-wise int4 (GGUF Q4_1 blocks as they are, other weights quantized on load) and the
-    embedding and LM head as per-row int8, on torch's packed CPU kernels, which take and give
-    bfloat16 (a float32 model keeps float32 everywhere else: norms, attention, the KV cache);
-    `auto` is `auto_weights`' choice."""
+    """weights: `float` dequantizes every tensor (the oracle); `packed` keeps linear layers on
+    torch's packed CPU kernels, which take and give bfloat16: GGUF blocks as the file stores
+    them (`gguf_blocks`), other weights quantized to int4 on load; the embedding and LM head
+    are per-row int8. A float32 model keeps float32 everywhere else (norms, attention, the
+    KV cache). `auto` is `auto_weights`' choice."""
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     if weights not in ("auto", *WEIGHT_MODES):
@@ -100,24 +102,23 @@ def load(name: str = "default", dtype: str = "float32", device: str = "cpu", wei
     else:
         raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face folder")
     model = model.to(device=device, dtype=DTYPES[dtype]).eval()
-    for layer in model.layers if weights == "int4" else ():
+    for layer in model.layers if weights == "packed" else ():
         if isinstance(layer, LlamaLayer):
-            layer.fuse_int4()
+            layer.fuse()
     if isinstance(model.lm_head, Int8Rows) and torch.device(device).type == "cpu":
-        model.lm_head.pack_for_onednn()
+        model.lm_head.pack_for_onednn(keep_rows=model.lm_head is getattr(model.embed_tokens, "rows", None))
     return LoadedModel(model, tok, path)
 
 
 def auto_weights(path: Path, device: str = "cpu", reader: GGUFReader | None = None) -> str:
-    """int4 on a CPU when every linear layer of a GGUF file is Q4_1: the kernel then runs the
-    file's own blocks, and nothing is quantized that the file did not; float otherwise.
-    `reader`: the file, already open."""
+    """packed on a CPU when every linear layer of a GGUF file is of a type with a packed form
+    (`gguf_blocks.PACKED_TYPES`): the kernels then run the file's own blocks (4-bit) or an
+    int8 row of them (5- to 8-bit), and nothing is quantized to fewer bits than the file
+    has; float otherwise. `reader`: the file, already open."""
     if torch.device(device).type != "cpu" or path.suffix != ".gguf":
         return "float"
-    from gguf import GGMLQuantizationType
-
     linears = [t for t in (reader or _gguf_reader(path)).tensors if _GGUF_LINEAR.fullmatch(t.name)]
-    return "int4" if linears and all(t.tensor_type == GGMLQuantizationType.Q4_1 for t in linears) else "float"
+    return "packed" if linears and all(t.tensor_type in PACKED_TYPES for t in linears) else "float"
 
 
 def read_config(name: str = "default") -> ModelConfig:
@@ -166,11 +167,14 @@ def build_model(
 
 def quantize(cfg: ModelConfig, state: dict[str, torch.Tensor], modules: dict[str, nn.Module]) -> None:
     """Move the float linear weights left in `state` into int4 modules, and the embedding and
-    LM head into int8 rows (`state` and `modules` are updated in place)."""
+    LM head into int8 rows (`state` and `modules` are updated in place); a linear layer's
+    bias, left in `state` beside a module made from the file's blocks, joins its module."""
+    for path in modules:
+        bias = state.pop(f"{path}.bias", None)
+        if bias is not None:
+            modules[path].bias = nn.Parameter(bias, requires_grad=False)
     for key in [k for k in state if _LINEAR.search(k)]:
         path = key.rsplit(".", 1)[0]
-        if path in modules:
-            continue
         bias = state.pop(f"{path}.bias", None)
         modules[path] = int4_from_float(state.pop(f"{path}.weight"), bias)
     embed = state.pop("embed_tokens.weight")
@@ -233,7 +237,7 @@ def _load_hf(folder: Path, weights: str = "float") -> tuple[DecoderModel, Tokeni
         stop |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     tok = Tokenizer.from_hf_folder(folder, stop) if (folder / "tokenizer.json").exists() else None
     modules: dict[str, nn.Module] = {}
-    if weights == "int4":
+    if weights == "packed":
         quantize(cfg, state, modules)
     return build_model(cfg, state, modules=modules), tok
 
@@ -294,11 +298,6 @@ def gguf_config(f: dict[str, Any], arch: str, has_output: bool) -> ModelConfig:
     )
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Inverse of llama.cpp's convert-time permute of Q/K rows (weights and biases)."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _gguf_reader(path: Path) -> GGUFReader:
     from gguf import GGUFReader
 
@@ -306,7 +305,6 @@ def _gguf_reader(path: Path) -> GGUFReader:
 
 
 def _load_gguf(reader: GGUFReader, weights: str = "float") -> tuple[DecoderModel, Tokenizer]:
-    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     fields = read_gguf_fields(reader)
@@ -328,24 +326,18 @@ def _load_gguf(reader: GGUFReader, weights: str = "float") -> tuple[DecoderModel
             name = f"layers.{parts[1]}.{_GGUF_RENAMES[parts[2]]}.{parts[3]}"
         else:
             name = f"{_GGUF_RENAMES[parts[0]]}.{parts[1]}" if t.name != "rope_freqs.weight" else t.name
-        if weights == "int4" and t.tensor_type == GGMLQuantizationType.Q4_1 and _LINEAR.search(name):
-            q, d, m = q4_1_groups(t.data, *shape)  # the file's blocks as they are
-            if heads is not None:
-                q, d, m = (_unpermute(a, heads) for a in (q, d, m))
-            path = name.rsplit(".", 1)[0]
-            modules[path] = Int4Linear.from_groups(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, d, m)))
-            continue
+        if weights == "packed" and _LINEAR.search(name):
+            module = packed_linear(t.data, t.tensor_type, *shape, heads)
+            if module is not None:
+                modules[name.rsplit(".", 1)[0]] = module
+                continue
         w = dequantize(t.data, t.tensor_type).reshape(shape)
         if t.name == "rope_freqs.weight":
             freq_factors = torch.from_numpy(np.array(w, dtype=np.float32))
             continue
         if heads is not None:
-            w = _unpermute(w, heads)
+            w = unpermute(w, heads)
         state[name] = torch.from_numpy(np.array(w, dtype=np.float32))
-    if weights == "int4":
-        for path in modules:  # a Q4_1 layer's bias (Qwen2) stays float, next to its module
-            bias = state.pop(f"{path}.bias", None)
-            if bias is not None:
-                modules[path].bias = nn.Parameter(bias, requires_grad=False)
+    if weights == "packed":
         quantize(cfg, state, modules)
     return build_model(cfg, state, freq_factors, modules), Tokenizer.from_gguf(fields)

@@ -5,8 +5,11 @@
   GGUF's Q4_1 blocks (32 weights, a scale d and a minimum m: `q * d + m`) map onto it
   exactly as `scale = d`, `zero = m + 8 d`; the kernel keeps scale and zero in the
   activations' dtype (bfloat16), their only rounding.
-- `Int8Rows`: per-row symmetric int8 on `aten._weight_int8pack_mm`, shared by the token
-  embedding (a row per token) and the tied LM head.
+- `Int8Linear`: per-row symmetric int8 on `aten._weight_int8pack_mm`, for GGUF's 5- to
+  8-bit blocks (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0), whose 32-weight scales no packed kernel
+  takes: each row is requantized to int8 at its own scale, half a step of rounding.
+- `Int8Rows`: per-row symmetric int8, shared by the token embedding (a row per token) and
+  the tied LM head, on oneDNN's int8 GEMM.
 
 Float weights (safetensors, or GGUF types without a packed form) are quantized on load by
 min/max per group (`int4_from_float`)."""
@@ -16,14 +19,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hcache.kernels.cpu import cpu
 
 GROUP = 32
-WEIGHT_MODES = ("float", "int4")
+WEIGHT_MODES = ("float", "packed")
 
 
 class _Bf16Scales(nn.Module):
@@ -98,6 +101,51 @@ class Int4Linear(_Bf16Scales):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+class Int8Linear(_Bf16Scales):
+    """`x @ (q * scale).T + bias` for int8 q `[N, K]` and a bfloat16 scale per row.
+    `_weight_int8pack_mm` computes each output alone, so a row's result never depends on the
+    batch around it; it runs a row at a time, though, and from `GEMM_ROWS` rows on (a
+    prefill's chunks, never a decode step's batch) the matrix is widened to bfloat16 for
+    the GEMM where the CPU has bfloat16 dot products: several times faster, for the rounding
+    of each weight to bfloat16 once."""
+
+    GEMM_ROWS = 64
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("q", q)
+        self.register_buffer("scales", scales)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        rows = Int8Rows.from_float(w)
+        return cls(rows.q, rows.scales, bias)
+
+    @classmethod
+    def cat(cls, mods: tuple[Int8Linear, ...]) -> Int8Linear:
+        bias = None
+        if any(m.bias is not None for m in mods):
+            dt = next(m.bias.dtype for m in mods if m.bias is not None)
+            bias = torch.cat([torch.zeros(m.out_features, dtype=dt) if m.bias is None else m.bias.data for m in mods])
+        return cls(torch.cat([m.q for m in mods]), torch.cat([m.scales for m in mods]), bias)
+
+    def rows(self, lo: int, hi: int) -> Int8Linear:
+        bias = None if self.bias is None else self.bias[lo:hi]
+        return Int8Linear(self.q[lo:hi], self.scales[lo:hi], bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if flat.shape[0] >= self.GEMM_ROWS and cpu().bf16_gemm:
+            y = F.linear(flat, self.q.to(torch.bfloat16).mul_(self.scales[:, None])).to(x.dtype)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
 class Int8Rows(_Bf16Scales):
     """A `[rows, dim]` matrix as int8 with a scale per row: an LM head (`forward`) and the
     embedding it is tied to (`lookup`) share it."""
@@ -115,10 +163,11 @@ class Int8Rows(_Bf16Scales):
         q = torch.round(w.float() / s[:, None]).clamp_(-127, 127).to(torch.int8)
         return cls(q, s.to(torch.bfloat16))
 
-    def pack_for_onednn(self, bits: int | None = None) -> bool:
-        """Serve `forward` on oneDNN's int8 GEMM from a prepacked copy of the rows (their size
-        again), its activations quantized to `bits` (default: what this CPU sums exactly,
-        `Cpu.head_activation_bits`); False where this torch has no oneDNN.
+    def pack_for_onednn(self, bits: int | None = None, keep_rows: bool = True) -> bool:
+        """Serve `forward` on oneDNN's int8 GEMM from a prepacked copy of the rows, its
+        activations quantized to `bits` (default: what this CPU sums exactly,
+        `Cpu.head_activation_bits`); False where this torch has no oneDNN. The rows are
+        dropped unless `keep_rows` (an embedding tied to this head looks them up).
         `_weight_int8pack_mm` runs a row at a time: a batch-32 decode step's head is several
         times slower there."""
         if self._handle is not None:
@@ -130,11 +179,13 @@ class Int8Rows(_Bf16Scales):
         self._handle = len(_ONEDNN)
         _ONEDNN.append((packed, self.scales.float(), zeros, bits or cpu().head_activation_bits))
         self.packed_bytes = self.q.numel()
+        if not keep_rows:
+            self.q = self.q.new_empty((self.q.shape[0], 0))
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._handle is not None:
-            y = int8_rows_mm(x.reshape(-1, self.q.shape[1]), self._handle).to(x.dtype)
+            y = int8_rows_mm(x.reshape(-1, x.shape[-1]), self._handle).to(x.dtype)
             return y.view(*x.shape[:-1], self.q.shape[0])
         flat = x.reshape(-1, self.q.shape[1]).to(torch.bfloat16)
         y = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales).to(x.dtype)
@@ -205,15 +256,3 @@ def int4_from_float(w: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Li
     scale = ((hi - lo) / 15).clamp_min(1e-12)
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).reshape(n, k)
     return Int4Linear.from_groups(q, scale, lo, bias)
-
-
-def q4_1_groups(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GGUF Q4_1 bytes `[rows, cols/32 * 20]` as q `[rows, cols]` (uint8), d and m `[rows, cols/32]`
-    (float32). A block is d and m (float16) then 16 bytes: weight j in the low nibble of
-    byte j, weight j+16 in its high nibble."""
-    blocks = np.ascontiguousarray(raw).reshape(rows, cols // GROUP, 20)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    qs = blocks[..., 4:]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)
-    return q, d, m

@@ -25,6 +25,12 @@ def test_a_real_0_5b_chat_is_identical_across_restore_paths(qwen) -> None:
     chat_identical_across_restore_paths(qwen)
 
 
+def test_the_0_5b_chat_as_served_is_identical_across_restore_paths(qwen_packed) -> None:
+    """The same on its packed weights: int8 rows and int4 groups, and prefill chunks on the
+    bfloat16 GEMM (`Int8Linear.GEMM_ROWS`) where decode steps run a row at a time."""
+    chat_identical_across_restore_paths(qwen_packed)
+
+
 def chat_identical_across_restore_paths(loaded) -> None:
     m, tok = loaded.model, loaded.tokenizer
     reference = ChatSession(m, tok, demo.SYSTEM)

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from hcache.model.geometry import ModelConfig
+from hcache.model.gguf_blocks import unpermute
 from hcache.model.llama import Llama
-from hcache.model.loader import _unpermute, build_model
+from hcache.model.loader import build_model
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -19,7 +20,7 @@ def test_unpermute_inverts_llama_cpp(shape: tuple[int, ...], heads: int) -> None
     w = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     permuted = llama_cpp_permute(w, heads)
     assert not np.array_equal(permuted, w)
-    assert np.array_equal(_unpermute(permuted, heads), w)
+    assert np.array_equal(unpermute(permuted, heads), w)
 
 
 def _tiny_cfg() -> ModelConfig:

@@ -9,7 +9,8 @@ import torch
 
 from hcache.engine.block_pool import resident_kv_dtype
 from hcache.kernels.cpu import cpu
-from hcache.model.loader import _unpermute, auto_weights, default_model_path, load
+from hcache.model.gguf_blocks import unpermute
+from hcache.model.loader import auto_weights, default_model_path, load
 from hcache.model.quality import logits_of, perplexity
 from hcache.model.quant import Int4Linear, Int8Rows, int4_from_float
 
@@ -18,7 +19,7 @@ TEXT = Path(__file__).parent.parent / "data" / "perplexity.txt"
 
 @pytest.fixture(scope="module")
 def int4_model(default_model):
-    return load("default", "bfloat16", weights="int4")
+    return load("default", "bfloat16", weights="packed")
 
 
 def _kernel_weights(lin: Int4Linear) -> torch.Tensor:
@@ -39,7 +40,7 @@ def test_int4_weights_are_the_files_q4_1_blocks(int4_model, name, path, heads):
     shape = tuple(int(x) for x in reversed(t.shape))
     want = dequantize(t.data, t.tensor_type).reshape(shape)
     if heads:
-        want = _unpermute(want, heads)
+        want = unpermute(want, heads)
     want = torch.from_numpy(np.ascontiguousarray(want, dtype=np.float32))
     lin = int4_model.model.get_submodule(path)
     got = _kernel_weights(lin if lin.out_features == shape[0] else lin.rows(0, shape[0]))  # Q: wqkv's first rows
@@ -101,8 +102,8 @@ def stays_close(default_model, model, kv, tolerance: float) -> None:
 
 def test_int4_runs_on_cpus_with_bfloat16_scales_in_any_dtype():
     with pytest.raises(ValueError, match="runs on CPUs"):
-        load("default", "float32", device="meta", weights="int4")
-    m = load("default", "float32", weights="int4").model
+        load("default", "float32", device="meta", weights="packed")
+    m = load("default", "float32", weights="packed").model
     assert m.dtype == torch.float32 and m.layers[0].wqkv.scales_zeros.dtype == torch.bfloat16
     assert m.lm_head.scales.dtype == torch.bfloat16 and m.embed_tokens(torch.tensor([5])).dtype == torch.float32
     with pytest.raises(ValueError, match="unsupported weights"):
@@ -112,7 +113,7 @@ def test_int4_runs_on_cpus_with_bfloat16_scales_in_any_dtype():
 def test_auto_runs_a_q4_1_files_blocks_on_cpus_and_keeps_float_weights_float(tiny_folder, tmp_path):
     import gguf
 
-    assert auto_weights(default_model_path()) == "int4"
+    assert auto_weights(default_model_path()) == "packed"
     assert auto_weights(default_model_path(), "cuda") == "float"
     folder = tiny_folder("llama_gqa")
     assert auto_weights(folder) == "float"  # safetensors: quantizing would lose what the file has
@@ -128,14 +129,14 @@ def test_auto_runs_a_q4_1_files_blocks_on_cpus_and_keeps_float_weights_float(tin
     # a bfloat16 KV pool under int4 weights, whose linears already give K and V in bfloat16
     fl, q = load(str(folder), "float32").model, load(str(folder), "float32", weights="auto").model
     assert fl.weights == q.weights == "float"
-    q = load(str(folder), "float32", weights="int4").model
-    assert q.weights == "int4" and resident_kv_dtype("auto", q) == torch.bfloat16
+    q = load(str(folder), "float32", weights="packed").model
+    assert q.weights == "packed" and resident_kv_dtype("auto", q) == torch.bfloat16
     assert resident_kv_dtype("auto", fl) == resident_kv_dtype("model", q) == torch.float32
 
 
 def test_a_safetensors_model_is_quantized_on_load(tiny_folder):
     folder = str(tiny_folder("llama_gqa"))
-    q = load(folder, "bfloat16", weights="int4").model
+    q = load(folder, "bfloat16", weights="packed").model
     assert isinstance(q.layers[0].w_down, Int4Linear) and isinstance(q.lm_head, Int8Rows)
     # the float model with the weights the kernels apply computes what the int4 model does
     ref = load(folder, "bfloat16").model
@@ -145,7 +146,8 @@ def test_a_safetensors_model_is_quantized_on_load(tiny_folder):
             if isinstance(mod, Int4Linear):
                 ref.get_submodule(name).weight.copy_(_kernel_weights(mod))
         ref.embed_tokens.weight.copy_(q.embed_tokens.rows.q.float() * q.embed_tokens.rows.scales.float()[:, None])
-        ref.lm_head.weight.copy_(q.lm_head.q.float() * q.lm_head.scales.float()[:, None])
+        # an untied head keeps only oneDNN's copy: its weights are its output for the identity
+        ref.lm_head.weight.copy_(q.lm_head(torch.eye(q.cfg.hidden_size)).float().t())
     ids = list(range(3, 40))
     a, b = logits_of(ref, ids), logits_of(q, ids)
     # both round every op to bfloat16, in different orders: under 5% of the largest logit
@@ -174,13 +176,13 @@ def test_fused_int4_projections_give_the_separate_calls_bits(default_model, tiny
     Where the kernel's packing on this CPU does not concatenate (`Int4Linear.joins`: the
     tiny model's 16-row K, and its 160-row gate where the packing's blocks are 64 wide),
     they stay apart."""
-    tiny = load(str(tiny_folder("llama_gqa")), dtype, weights="int4").model
+    tiny = load(str(tiny_folder("llama_gqa")), dtype, weights="packed").model
     c = tiny.cfg
     assert (tiny.layers[0].wqkv is not None) == (Int4Linear.joins(c.q_dim) and Int4Linear.joins(c.kv_dim))
     assert (tiny.layers[0].w_gu is not None) == Int4Linear.joins(c.intermediate_size)
-    fused = load("default", dtype, weights="int4").model
+    fused = load("default", dtype, weights="packed").model
     assert fused.layers[0].wqkv is not None and not hasattr(fused.layers[0], "wq")
-    separate = _unfused(load("default", dtype, weights="int4").model)
+    separate = _unfused(load("default", dtype, weights="packed").model)
     g = torch.Generator().manual_seed(0)
     for n in (1, 5, 37, 100):
         ids = torch.randint(3, fused.cfg.vocab_size, (n,), generator=g).tolist()

@@ -39,17 +39,17 @@ def model(request, tiny_folder) -> DecoderModel:
         request.getfixturevalue("default_model")  # skips where the GGUF is missing
         return _int4("float32")
     if name.endswith("-int4"):
-        return load(str(tiny_folder(name.removesuffix("-int4"))), "float32", weights="int4").model
+        return load(str(tiny_folder(name.removesuffix("-int4"))), "float32", weights="packed").model
     return tload(tiny_folder(name))
 
 
 @functools.cache
 def _int4(dtype: str = "bfloat16") -> DecoderModel:
-    return load("default", dtype, weights="int4").model
+    return load("default", dtype, weights="packed").model
 
 
 def rel_tol(model: DecoderModel, method: Method = Method.KV) -> float:
-    if model.weights == "int4" and method == Method.RECOMPUTE:
+    if model.weights == "packed" and method == Method.RECOMPUTE:
         return RE_INT4
     return REL if model.dtype == torch.float32 and model.weights == "float" else 2**-7  # bf16: an 8-bit mantissa
 

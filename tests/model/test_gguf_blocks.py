@@ -1,0 +1,114 @@
+"""Every GGUF block type with a packed form loads onto its kernel with the file's weights:
+4-bit blocks within the rounding of the kernel's bfloat16 scale and zero, 5- to 8-bit blocks
+within half a step of their row's int8 grid. Tensors are written and read back with the
+`gguf` package: types it quantizes from a float matrix, K-quants as random blocks (any bytes
+are a valid block)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+
+from hcache.kernels.cpu import cpu
+from hcache.model.gguf_blocks import INT4_TYPES, PACKED_TYPES, packed_linear, unpermute
+from hcache.model.quant import Int4Linear, Int8Linear
+
+ROWS, COLS = 48, 512
+# where each K-quant block keeps its float16 super-block scales (d, then dmin where it has one)
+_F16_AT = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+def _blocks(qtype: T, g: np.random.Generator) -> np.ndarray:
+    block, size = GGML_QUANT_SIZES[qtype]
+    if qtype not in _F16_AT:
+        w = g.standard_normal((ROWS, COLS)).astype(np.float32) * 0.05
+        w[3, 7] = 1.5  # an outlier, as real matrices have
+        return quantize(w, qtype)
+    raw = g.integers(0, 256, (ROWS * COLS // block, size), dtype=np.uint8)
+    for at in _F16_AT[qtype]:
+        raw[:, at : at + 2] = g.uniform(1e-4, 2e-3, (len(raw), 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(ROWS, -1)
+
+
+def _written(qtype: T, tmp_path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The tensor's raw blocks as a GGUF file holds them, and the file's dequantized weights."""
+    path = tmp_path / f"{qtype.name}.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.ffn_up.weight", _blocks(qtype, np.random.default_rng(int(qtype))), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    t = GGUFReader(str(path)).tensors[0]
+    assert t.tensor_type == qtype and tuple(int(x) for x in reversed(t.shape)) == (ROWS, COLS)
+    return t.data, dequantize(t.data, qtype).reshape(ROWS, COLS)
+
+
+def _kernel_weights(lin: torch.nn.Module) -> torch.Tensor:
+    """`[N, K]` as the kernel applies them: its output for the identity."""
+    return lin(torch.eye(lin.in_features, dtype=torch.bfloat16)).float().t()
+
+
+@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda t: t.name)
+def test_the_kernel_applies_the_files_weights(qtype, tmp_path):
+    raw, file_w = _written(qtype, tmp_path)
+    want = torch.from_numpy(np.ascontiguousarray(file_w, dtype=np.float32))
+    lin = packed_linear(raw, qtype, ROWS, COLS)
+    got = _kernel_weights(lin)
+    out = 2**-8 * want.abs()  # the kernel's bfloat16 output
+    if qtype in INT4_TYPES:
+        assert isinstance(lin, Int4Linear)
+        # scale and zero are kept in bfloat16 (2^-9 of each): a nibble out of place would move
+        # a weight by up to its block's span, 2^8 times this
+        blocks = want.reshape(ROWS, -1, 32)
+        span = (blocks.amax(-1) - blocks.amin(-1)).repeat_interleave(32, dim=1)
+        scale_zero = 2**-9 * (span + want.abs()) * 2
+        assert ((got - want).abs() <= scale_zero + out + 1e-7).all()
+    else:
+        assert isinstance(lin, Int8Linear)
+        step = want.abs().amax(1, keepdim=True) / 127  # the row's int8 grid
+        assert ((got - want).abs() <= step / 2 + step * 127 * 2**-9 + out + 1e-7).all()
+        assert ((got - want).abs().amax(1, keepdim=True) > 0).any()  # requantized, not a float copy
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+def test_llama_q_rows_are_unpermuted_with_their_scales(qtype, tmp_path):
+    raw, _ = _written(qtype, tmp_path)
+    heads = 4
+    plain = _kernel_weights(packed_linear(raw, qtype, ROWS, COLS))
+    got = _kernel_weights(packed_linear(raw, qtype, ROWS, COLS, heads))
+    assert torch.equal(got, torch.from_numpy(unpermute(plain.numpy(), heads)))
+
+
+def test_types_without_a_packed_form_are_left_to_the_caller():
+    assert packed_linear(np.zeros((ROWS, COLS), np.float32), T.F32, ROWS, COLS) is None
+    assert packed_linear(np.zeros((ROWS, COLS // 256 * 84), np.uint8), T.Q2_K, ROWS, COLS) is None
+
+
+def test_int8_rows_are_row_independent_and_concatenate():
+    """Below `GEMM_ROWS` rows (every decode step) `_weight_int8pack_mm` computes each output
+    alone: a row's result is the same bits at any batch size, and Q/K/V concatenated give the
+    separate calls' bits. From `GEMM_ROWS` on, where the CPU has bfloat16 GEMMs, the weights
+    are widened to bfloat16 first: within that rounding (2^-9 of each product) and the
+    output's (2^-8) of the row-at-a-time kernel."""
+    g = torch.Generator().manual_seed(0)
+    mods = tuple(Int8Linear.from_float(torch.randn(n, 96, generator=g), torch.randn(n, generator=g)) for n in (40, 8))
+    cat = Int8Linear.cat(mods)
+    x = torch.randn(Int8Linear.GEMM_ROWS - 1, 96, generator=g)
+    y = cat(x)
+    assert torch.equal(y, torch.cat([m(x) for m in mods], dim=-1))
+    assert torch.equal(cat.rows(40, 48)(x), y[:, 40:48])
+    for n in (1, 3, 17):
+        assert torch.equal(cat(x[:n]), y[:n])
+    big = torch.cat([x, x])
+    got, want = cat(big)[: len(x)], y
+    products = (x.abs().bfloat16().float() @ (cat.q.float().abs() * cat.scales.float()[:, None]).t()) + cat.bias.abs()
+    assert ((got - want).abs() <= 2**-8 * products + 2**-7 * want.abs()).all()
+    if cpu().bf16_gemm:
+        assert not torch.equal(got, want)  # the GEMM path ran

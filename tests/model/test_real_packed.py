@@ -1,0 +1,38 @@
+"""The 0.5B model (Q5_0, Q8_0, Q4_K and Q6_K tensors) as served: on packed kernels with no
+float copy of a matrix, at most 1.3x the file's bytes, and within 1% of its float oracle's
+perplexity on the shipped text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hcache.model.loader import auto_weights
+from hcache.model.quality import logits_of, perplexity
+from hcache.model.quant import Int4Linear, Int8Embedding, Int8Linear, Int8Rows
+
+TEXT = Path(__file__).parent.parent / "data" / "perplexity.txt"
+
+
+def test_a_k_quant_file_runs_packed_in_its_own_bytes(qwen_packed):
+    m = qwen_packed.model
+    assert auto_weights(qwen_packed.source) == "packed" and m.weights == "packed"
+    kinds = {type(mod) for layer in m.layers for mod in layer.children() if not hasattr(mod, "eps")}
+    assert kinds <= {Int4Linear, Int8Linear}, kinds
+    assert Int4Linear in kinds  # the Q4_K tensors, as int4 groups
+    assert not any(isinstance(p, torch.nn.Linear) for p in m.modules())  # no float matrix left
+    assert isinstance(m.embed_tokens, Int8Embedding) and isinstance(m.lm_head, Int8Rows)
+    assert m.lm_head.q.numel() == 0 and m.lm_head.packed_bytes > 0  # the untied head: oneDNN's copy alone
+    assert m.weight_bytes() <= 1.3 * qwen_packed.source.stat().st_size, m.weight_bytes()
+
+
+def test_served_0_5b_model_is_within_1_percent_of_its_float_oracle(qwen, qwen_packed):
+    """Served: packed weights over a bfloat16 KV cache. 90% of greedy tokens the same and
+    perplexity within 1%, the bounds the default model meets."""
+    ids = qwen.tokenizer.encode(TEXT.read_text())
+    oracle = logits_of(qwen.model, ids)
+    got = logits_of(qwen_packed.model, ids, torch.bfloat16)
+    assert (got.argmax(-1) == oracle.argmax(-1)).float().mean().item() > 0.9
+    ppl_float, ppl_packed = perplexity(qwen.model, ids), perplexity(qwen_packed.model, ids, torch.bfloat16)
+    assert abs(ppl_packed / ppl_float - 1) < 0.01, (ppl_packed, ppl_float)
