@@ -1,7 +1,7 @@
-"""llama.cpp, the peer in `bench/peers.py`, through llama-cpp-python on the default GGUF
-file: prefill, a sequence's state saved to a file and loaded back from the disk (not the
-page cache), the TTFT of a new turn after the load, and batched decode; in a process of
-its own (`Peer`)."""
+"""llama.cpp, the peer in `bench/peers.py`, through llama-cpp-python on the benchmark's GGUF
+file (the default model's unless told): prefill, a sequence's state saved to a file and
+loaded back from the disk (not the page cache), the TTFT of a new turn after the load, and
+batched decode; in a process of its own (`Peer`)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hcache.model.loader import default_model_path
+from hcache.model.loader import resolve_model_path
 
 TURN = 32
 REPEATS = 3  # rounds of each measure the two systems take turns in: medians (disks and VMs jitter)
 
 
-def llama(n_ctx: int, threads: int, logits_all: bool = False) -> Any:
-    """The default GGUF file in llama.cpp, on `threads` threads."""
+def llama(n_ctx: int, threads: int, logits_all: bool = False, model: str = "default") -> Any:
+    """`model`'s GGUF file (a name or a path) in llama.cpp, on `threads` threads."""
     import llama_cpp
 
     base = llama_cpp.llama_model_default_params
@@ -33,7 +33,7 @@ def llama(n_ctx: int, threads: int, logits_all: bool = False) -> Any:
     llama_cpp.llama_model_default_params = without_extra_bufts
     try:
         return llama_cpp.Llama(
-            model_path=str(default_model_path()),
+            model_path=str(resolve_model_path(model)),
             n_ctx=n_ctx,
             n_batch=512,
             n_threads=threads,
@@ -54,9 +54,11 @@ def _drop_from_page_cache(path: Path) -> None:
         os.close(fd)
 
 
-def llama_cpp_rows(doc: list[int], turn: list[int], contexts: list[int], scratch: Path, threads: int) -> list[dict]:
+def llama_cpp_rows(
+    doc: list[int], turn: list[int], contexts: list[int], scratch: Path, threads: int, model: str = "default"
+) -> list[dict]:
     """llama.cpp's rows alone, in this process (the peers benchmark with hcache skipped)."""
-    me = _Llama(max(contexts) + 2 * TURN, threads, scratch)
+    me = _Llama(max(contexts) + 2 * TURN, threads, scratch, model)
     rows = []
     for n in contexts:
         row = {"system": "llama.cpp", "tokens": n} | me.prepare(doc[:n])
@@ -83,10 +85,10 @@ class Peer:
     system after the other put that drift into their ratio. In its own process llama.cpp's
     OpenMP teams never meet torch's."""
 
-    def __init__(self, n_ctx: int, threads: int, scratch: Path):
+    def __init__(self, n_ctx: int, threads: int, scratch: Path, model: str = "default"):
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, n_ctx, threads, str(scratch)), daemon=True)
+        self._proc = ctx.Process(target=_serve, args=(child, n_ctx, threads, str(scratch), model), daemon=True)
         self._proc.start()
 
     def call(self, name: str, *args: Any) -> Any:
@@ -103,9 +105,9 @@ class Peer:
         self._conn.close()
 
 
-def _serve(conn: Any, n_ctx: int, threads: int, scratch: str) -> None:
+def _serve(conn: Any, n_ctx: int, threads: int, scratch: str, model: str) -> None:
     """The child: a `_Llama` answering `Peer.call`s until told to stop."""
-    me = _Llama(n_ctx, threads, Path(scratch))
+    me = _Llama(n_ctx, threads, Path(scratch), model)
     while (msg := conn.recv()) is not None:
         name, args = msg
         try:
@@ -115,9 +117,9 @@ def _serve(conn: Any, n_ctx: int, threads: int, scratch: str) -> None:
 
 
 class _Llama:
-    def __init__(self, n_ctx: int, threads: int, scratch: Path):
-        self.threads, self.scratch = threads, scratch
-        self.llm = llama(n_ctx, threads)
+    def __init__(self, n_ctx: int, threads: int, scratch: Path, model: str = "default"):
+        self.threads, self.scratch, self.model = threads, scratch, model
+        self.llm = llama(n_ctx, threads, model=model)
 
     def _path(self, n: int) -> Path:
         return self.scratch / f"llama-seq-{n}.bin"
@@ -161,11 +163,23 @@ class _Llama:
         int(logits.argmax())  # the first token of the reply
         return load * 1e3, (time.perf_counter() - t) * 1e3
 
+    def ttft(self, ids: list[int]) -> float:
+        """A prefill of `ids` from nothing to the first token of its reply (ms)."""
+        import llama_cpp
+        import numpy as np
+
+        self.llm.reset()
+        t = time.perf_counter()
+        self.llm.eval(ids)
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.llm.n_vocab(),))
+        int(logits.argmax())
+        return (time.perf_counter() - t) * 1e3
+
     def forget(self, n: int) -> None:
         self._path(n).unlink(missing_ok=True)
 
     def decode(self, doc: list[int], batches: list[int], prompt: int, steps: int) -> dict[str, float]:
-        return llama_cpp_decode(doc, batches, prompt, steps, self.threads)
+        return llama_cpp_decode(doc, batches, prompt, steps, self.threads, self.model)
 
 
 def _fill(batch: Any, items: list[tuple[int, int, int, bool]]) -> None:
@@ -176,13 +190,15 @@ def _fill(batch: Any, items: list[tuple[int, int, int, bool]]) -> None:
         batch.seq_id[k][0], batch.logits[k] = seq, logits
 
 
-def llama_cpp_decode(doc: list[int], batches: list[int], prompt: int, steps: int, threads: int) -> dict[str, float]:
+def llama_cpp_decode(
+    doc: list[int], batches: list[int], prompt: int, steps: int, threads: int, model: str = "default"
+) -> dict[str, float]:
     """Batch 1 through the high-level API; batch B with B sequences in one llama_batch per step."""
     import llama_cpp
     import numpy as np
 
     out: dict[str, float] = {}
-    llm = llama(max(batches) * (prompt + steps + 8), threads)
+    llm = llama(max(batches) * (prompt + steps + 8), threads, model=model)
     if 1 in batches:
         llm.eval(doc[:prompt])
         tbt = []

@@ -28,26 +28,26 @@ DEMO_TOKENS = 64  # `hcache demo`'s default
 TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "perplexity.txt"
 
 
-def perplexities(dtype: str, llama: Callable[[int], Any]) -> dict[str, Any]:
+def perplexities(dtype: str, llama: Callable[[int], Any], model: str = "default") -> dict[str, Any]:
     """Every hcache weight mode (in `dtype`, and over a bfloat16 KV cache too in float32)
     against the float oracle, keyed "hcache MODE[, bfloat16 KV]": perplexity over the shipped
     text's token ids (llama.cpp's too: `llama(n_ctx)` gives a loaded llama_cpp.Llama); under
     "max_logit_err", the largest |logit - oracle's| over that text; under "demo_chat", how the
     greedy replies of `hcache demo`'s 3-turn chat differ from the oracle's."""
-    lm = load("default", dtype)
+    lm = load(model, dtype)
     ids = lm.tokenizer.encode(TEXT.read_text())
     out: dict[str, Any] = {"text": str(TEXT.relative_to(TEXT.parents[2])), "tokens": len(ids)}
     out["max_logit_err"], out["demo_chat"] = {}, {}
     oracle = omp.on_worker(lambda: logits_of(lm.model, ids))
     replies = omp.on_worker(lambda: _demo_replies(lm.model, lm.tokenizer, None))
     for mode in WEIGHT_MODES:
-        model = lm.model if mode == "float" else load("default", dtype, weights=mode).model
+        served = lm.model if mode == "float" else load(model, dtype, weights=mode).model
         for kv in (None, torch.bfloat16) if dtype == "float32" else (None,):  # `--kv-dtype bfloat16`
             name = f"hcache {mode}" + (", bfloat16 KV" if kv else "")
-            logits = omp.on_worker(lambda m=model, kv=kv: logits_of(m, ids, kv))
+            logits = omp.on_worker(lambda m=served, kv=kv: logits_of(m, ids, kv))
             out[name] = perplexity_of(logits, ids)
             out["max_logit_err"][name] = (logits - oracle).abs().max().item()
-            got = omp.on_worker(lambda m=model, kv=kv: _demo_replies(m, lm.tokenizer, kv))
+            got = omp.on_worker(lambda m=served, kv=kv: _demo_replies(m, lm.tokenizer, kv))
             out["demo_chat"][name] = _token_diff(replies, got)
     out["llama.cpp"] = _llama_perplexity(llama(len(ids) + 16), ids)
     return out

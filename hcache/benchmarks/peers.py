@@ -1,5 +1,5 @@
-"""hcache against the systems a user would otherwise pick, on the default GGUF model,
-in one run on this machine.
+"""hcache against the systems a user would otherwise pick, on one GGUF model (`--model`, the
+default model's unless told), in one run on this machine.
 
 - llama.cpp (llama-cpp-python, loaded with use_extra_bufts=False): prefill (token
   recompute); per-sequence state saved to a file and loaded back; the TTFT of a new
@@ -50,7 +50,7 @@ from hcache.engine.records import TurnStats
 from hcache.engine.sampler import SamplingParams
 from hcache.engine.sequence import Sequence
 from hcache.kernels.cpu import cpu as kernels_cpu
-from hcache.model.loader import default_model_path, load, read_config
+from hcache.model.loader import load, read_config, resolve_model_path
 from hcache.restore import profiler
 from hcache.restore.plan import Method
 from hcache.restore.projection import serve_compiled_only, warm_up
@@ -58,10 +58,10 @@ from hcache.storage.dirs import ensure_dirs
 from hcache.storage.store import ChunkStore
 
 
-def transformers_rows(doc: list[int], contexts: list[int], max_tokens: int) -> list[dict]:
+def transformers_rows(doc: list[int], contexts: list[int], max_tokens: int, model: str) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
-    p = default_model_path()
+    p = resolve_model_path(model)
     model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).eval()
     rows = []
     for n in contexts:
@@ -81,7 +81,7 @@ def hcache_rows(
     """hcache's rows and decode figures; with `peer`, llama.cpp's too, each measure's rounds
     alternating between the two systems."""
     omp.isolate_main()  # the engine's loop computes (see hcache/omp.py)
-    lm = omp.on_worker(lambda: load("default", args.dtype, args.device, args.weights))
+    lm = omp.on_worker(lambda: load(args.model, args.dtype, args.device, args.weights))
     dirs = ensure_dirs(args.dirs) if args.dirs else [Path(tempfile.mkdtemp(prefix="hcache-peers-"))]
     omp.on_worker(lambda: warm_up(lm.model))  # as `hcache serve` starts: no restore pays for compiling
     prof = omp.on_worker(lambda: profiler.load_or_run(lm.model, dirs, Path(args.profile_dir)))
@@ -145,7 +145,7 @@ def hcache_rows(
     more = [b for b in args.batches if b > 1]
     decode = _decode_variant(lm, prof, dirs, doc, more, args) if more else {}
     decode |= {"tbt_b1_ms": statistics.median(b1["on"]), "tbt_b1_saver_off_ms": statistics.median(b1["off"])}
-    decode |= {"tbt_b1_rounds_ms": b1["on"], "tbt_b1_saver_off_rounds_ms": b1["off"]} | _memory(lm.model)
+    decode |= {"tbt_b1_rounds_ms": b1["on"], "tbt_b1_saver_off_rounds_ms": b1["off"]} | _memory(lm)
     decode["host_ms_b1"] = statistics.median(b1["host"])
     decode["weights"] = lm.model.weights  # what `auto` resolved to
     decode["kv_dtype"] = str(resident_kv_dtype(args.kv_dtype, lm.model)).removeprefix("torch.")
@@ -180,17 +180,12 @@ def _decode_variant(
         gc.collect()  # its block pool (reference cycles hold it): the next engine's must not add to the peak RSS
 
 
-def _memory(model: torch.nn.Module) -> dict[str, float]:
-    """Resident weights (each storage once: a tied head shares the embedding's; and the head's
-    oneDNN copy, which is not in the state dict) against
-    the GGUF file, and the process's peak RSS so far (before llama.cpp loads)."""
-    seen: dict[int, int] = {}
-    for t in model.state_dict().values():
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    packed = sum(getattr(m, "packed_bytes", 0) for m in model.modules())  # oneDNN's opaque copies
+def _memory(lm: Any) -> dict[str, float]:
+    """Resident weights (`DecoderModel.weight_bytes`) against the GGUF file, and the process's
+    peak RSS so far (before llama.cpp loads)."""
     return {
-        "weights_mb": (sum(seen.values()) + packed) / 1e6,
-        "gguf_mb": default_model_path().stat().st_size / 1e6,
+        "weights_mb": lm.model.weight_bytes() / 1e6,
+        "gguf_mb": lm.source.stat().st_size / 1e6,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3,
     }
 
@@ -230,6 +225,7 @@ def _hcache_decode(engine: Engine, doc: list[int], batches: list[int], prompt: i
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hcache bench peers", description=__doc__)
+    ap.add_argument("--model", default="default", help="a model by name or a GGUF file's path (both systems)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8000])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default="cpu", help="hcache's torch device (llama.cpp runs on the CPU)")
@@ -244,9 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", nargs="*", default=[], choices=["llama.cpp", "transformers", "hcache"])
     ap.add_argument("--merge", action="store_true", help="keep the skipped systems' rows from --out")
     ap.add_argument("--profile-dir", default=str(Path.home() / ".cache/hcache/profiles"))
-    ap.add_argument("--out", default="bench/results/peers.json")
+    ap.add_argument("--out", help="default: bench/results/peers.json, peers_MODEL.json for another model")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.out is None:
+        name = "" if args.model == "default" else "_" + Path(args.model).name.removesuffix(".gguf")
+        args.out = f"bench/results/peers{name}.json"
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
     doc = [rng.randrange(100, 49000) for _ in range(max(args.contexts) + 64)]
@@ -263,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(data, indent=2))
 
     if "hcache" not in args.skip:
-        peer = None if "llama.cpp" in args.skip else Peer(max(args.contexts) + 2 * TURN, args.threads, scratch)
+        n_ctx = max(args.contexts) + 2 * TURN
+        peer = None if "llama.cpp" in args.skip else Peer(n_ctx, args.threads, scratch, args.model)
         try:
             rows, dec = hcache_rows(args, doc, turn, peer)
         finally:
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
     # before llama.cpp: its OpenMP teams stay in this process, and with more team threads
     # than cores every parallel region of ours waits tens of microseconds for a sleeping one
-    cfg = read_config()
+    cfg = read_config(args.model)
     data["attention"] = measures.attention_rates(
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, [c for c in args.contexts if c > TURN], TURN
     )
@@ -282,15 +282,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max(args.contexts), TURN
     )
     if "hcache" in args.skip and "llama.cpp" not in args.skip:  # llama.cpp alone, in this process
-        data["rows"] += llama_cpp_rows(doc, turn, args.contexts, scratch, args.threads)
+        data["rows"] += llama_cpp_rows(doc, turn, args.contexts, scratch, args.threads, args.model)
         data["decode"]["llama.cpp"] = llama_cpp_decode(
-            doc, args.batches, args.decode_prompt, args.decode_steps, args.threads
+            doc, args.batches, args.decode_prompt, args.decode_steps, args.threads, args.model
         )
         save()
     if "transformers" not in args.skip:
-        data["rows"] += omp.on_worker(lambda: transformers_rows(doc, args.contexts, args.transformers_max))
+        data["rows"] += omp.on_worker(lambda: transformers_rows(doc, args.contexts, args.transformers_max, args.model))
     if "llama.cpp" not in args.skip:
-        data["quality"] = measures.perplexities(args.dtype, lambda n: llama(n, args.threads, logits_all=True))
+        data["quality"] = measures.perplexities(
+            args.dtype, lambda n: llama(n, args.threads, logits_all=True, model=args.model), args.model
+        )
     save()
 
     def table() -> None:

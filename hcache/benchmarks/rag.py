@@ -11,13 +11,16 @@ puts `--per-query` documents in a random order before a question whose answer is
   from full prefill's.
 - Speed, through the engine with the documents precomputed in its store and none resident:
   TTFT of a full prefill of the same tokens, exact the first time, exact on a prefix hit
-  (the same composition again), blend at `--blend-fraction` and concat, interleaved per query.
+  (the same composition again), blend at `--blend-fraction` and concat, and llama.cpp's
+  prefill of the same prompt on the same GGUF (in a process of its own, where
+  llama-cpp-python is installed: `make bench-peers`), interleaved per query.
 
 Medians; JSON in bench/results/rag.json."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import random
 import statistics
@@ -29,6 +32,7 @@ import torch
 from hcache import omp
 from hcache.benchmarks import report
 from hcache.benchmarks.engine import run_turn
+from hcache.benchmarks.llamacpp import Peer
 from hcache.benchmarks.peers import machine
 from hcache.config import EngineConfig, StorageConfig
 from hcache.engine.block_pool import resident_kv_dtype
@@ -39,7 +43,7 @@ from hcache.engine.sampler import SamplingParams
 from hcache.kernels.cpu import cpu
 from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
-from hcache.model.loader import load
+from hcache.model.loader import load, resolve_model_path
 from hcache.model.tokenizer import Tokenizer
 from hcache.restore import profiler
 from hcache.restore.blend import Blend, Document
@@ -161,14 +165,20 @@ def quality(
     }
 
 
-def speed(engine: Engine, ctx: list[str], docs: list[list[int]], queries: list, fraction: float) -> dict:
-    """TTFT per mode, the modes interleaved within each query."""
-    runs: dict[str, list[float]] = {m: [] for m in ("full", "exact", "exact_prefix_hit", "blend", "concat")}
+def speed(
+    engine: Engine, ctx: list[str], docs: list[list[int]], queries: list, fraction: float, peer: Peer | None
+) -> dict:
+    """TTFT per mode, the modes (and llama.cpp, with `peer`) interleaved within each query."""
+    modes = ("full", "exact", "exact_prefix_hit", "blend", "concat", *(("llama.cpp",) if peer else ()))
+    runs: dict[str, list[float]] = {m: [] for m in modes}
     plans: dict[str, int] = {}
     for order, question, _ in queries:
         ids = [ctx[d] for d in order]
+        prompt = [t for d in order for t in docs[d]] + question
         s = engine.create_session()
-        runs["full"].append(run_turn(engine, s.id, [t for d in order for t in docs[d]] + question).ttft_ms)
+        runs["full"].append(run_turn(engine, s.id, prompt).ttft_ms)
+        if peer:
+            runs["llama.cpp"].append(peer.call("ttft", prompt))
         for mode, how in (
             ("exact", Composition("exact")),
             ("exact_prefix_hit", Composition("exact")),
@@ -236,12 +246,25 @@ def run(args: argparse.Namespace) -> dict:
             ctx = [engine.precompute_context(token_ids=d).id for d in docs]
             qs = [query(i) for i in range(args.speed_queries)]
             run_turn(engine, engine.create_session().id, docs[0][:64])  # the engine's first turn, not timed
-            out["speed"] = speed(engine, ctx, docs, qs, args.blend_fraction)
+            longest = max(sum(len(docs[d]) for d in order) + len(q) for order, q, _ in qs)
+            peer = Peer(longest + 8, os.cpu_count() or 2, root[0], args.model) if _with_llama_cpp(args) else None
+            try:
+                out["speed"] = speed(engine, ctx, docs, qs, args.blend_fraction, peer)
+            finally:
+                if peer:
+                    peer.close()
             out["speed_queries"] = len(qs)
         finally:
             engine.close()
             store.close()
     return out
+
+
+def _with_llama_cpp(args: argparse.Namespace) -> bool:
+    """llama.cpp's row where it is asked for, installed, and the model is a GGUF file."""
+    if not args.llama_cpp or importlib.util.find_spec("llama_cpp") is None:
+        return False
+    return resolve_model_path(args.model).suffix == ".gguf"
 
 
 def section(data: dict) -> list[str]:
@@ -270,8 +293,11 @@ def section(data: dict) -> list[str]:
             "exact_prefix_hit": "exact, the same documents again",
             "blend": f"blend at {data['blend_fraction']:g}",
             "concat": "concat",
+            "llama.cpp": "llama.cpp, a prefill of the same prompt (same GGUF)",
         }
         for m, name in names.items():
+            if m not in s:
+                continue
             r = s[m]
             out.append(f"| {name} | {r['p50_ms']:.0f} | {r['over_full']:.2f} | {read.get(m, 0)} |")
         out.append("")
@@ -306,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.05, 0.15, 0.3])
     ap.add_argument("--blend-fraction", type=float, default=0.15)
     ap.add_argument("--budget-mb", type=int, default=2048)
+    ap.add_argument(
+        "--no-llama-cpp", dest="llama_cpp", action="store_false", help="leave llama.cpp's prefill out of the speed rows"
+    )
     ap.add_argument("--profile-dir", default=str(Path.home() / ".cache/hcache/profiles"))
     ap.add_argument("--out", default="bench/results/rag.json")
     ap.add_argument("--json", action="store_true")

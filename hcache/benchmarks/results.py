@@ -36,6 +36,10 @@ def render(results: Path, bench_dir: Path) -> str:
         lines += peers_section(peers, bench_dir)
     for other in sorted(results.glob("peers-*.json")):  # the same benchmark on other CPU kinds
         lines += kind_section(json.loads(other.read_text()), other.stem)
+    for other in sorted(results.glob("peers_*.json")):  # on other models (GPU runs have their section)
+        if not other.stem.startswith("peers_gpu"):
+            data = json.loads(other.read_text())
+            lines += kind_section(data, other.stem, data["args"].get("model", other.stem))
     lines += gpu_section(results)
     eng = _load(results, "engine")
     if eng is not None:
