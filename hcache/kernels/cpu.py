@@ -73,12 +73,6 @@ class Cpu:
         return 8 if self.int8_vnni else 7
 
     @property
-    def bf16_gemm(self) -> bool:
-        """oneDNN's bfloat16 GEMMs run on hardware dot products (AVX512-BF16 or AMX); elsewhere
-        torch's bfloat16 GEMMs are a reference loop."""
-        return self.bf16 or self.amx
-
-    @property
     def attention(self) -> str:
         """How a turn attends over a bfloat16 cache: `native` (our AVX512-BF16 kernel),
         `flash` (torch's bfloat16 flash kernel: AMX tiles), or `float32` (K/V widened and
@@ -100,7 +94,7 @@ class Cpu:
             "cpu": self.kind,
             "aten": self.aten.lower(),
             "int4_linear": f"int4pack-{self.aten.lower()}",
-            "int8_linear": "int8pack" + ("+bf16-gemm" if self.bf16_gemm else ""),
+            "int8_linear": f"{head}-a{self.head_activation_bits}",
             "lm_head": f"{head}-a{self.head_activation_bits}",
             "attention": self.attention,
             "decode_attention": "inductor-float32",

@@ -24,7 +24,7 @@ from hcache.model.geometry import ARCH_LLAMA, ARCH_OPT, ModelConfig
 from hcache.model.gguf_blocks import PACKED_TYPES, packed_linear, unpermute
 from hcache.model.llama import Llama, LlamaLayer
 from hcache.model.opt import OPT
-from hcache.model.quant import WEIGHT_MODES, Int8Embedding, Int8Rows, int4_from_float
+from hcache.model.quant import WEIGHT_MODES, Int8Embedding, Int8Linear, Int8Rows, int4_from_float
 from hcache.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -105,9 +105,18 @@ def load(name: str = "default", dtype: str = "float32", device: str = "cpu", wei
     for layer in model.layers if weights == "packed" else ():
         if isinstance(layer, LlamaLayer):
             layer.fuse()
-    if isinstance(model.lm_head, Int8Rows) and torch.device(device).type == "cpu":
-        model.lm_head.pack_for_onednn(keep_rows=model.lm_head is getattr(model.embed_tokens, "rows", None))
+    if torch.device(device).type == "cpu":
+        _pack_int8(model)
     return LoadedModel(model, tok, path)
+
+
+def _pack_int8(model: DecoderModel) -> None:
+    """Every int8 matrix onto oneDNN's prepacked copy, its rows dropped: an embedding looks
+    its rows up, so its rows stay, and are packed only where the head is tied to them."""
+    embedding = getattr(model.embed_tokens, "rows", None)
+    for mod in list(model.modules()):
+        if isinstance(mod, Int8Linear) and (mod is not embedding or mod is model.lm_head):
+            mod.pack_for_onednn(keep_rows=mod is embedding)
 
 
 def auto_weights(path: Path, device: str = "cpu", reader: GGUFReader | None = None) -> str:

@@ -5,11 +5,11 @@
   GGUF's Q4_1 blocks (32 weights, a scale d and a minimum m: `q * d + m`) map onto it
   exactly as `scale = d`, `zero = m + 8 d`; the kernel keeps scale and zero in the
   activations' dtype (bfloat16), their only rounding.
-- `Int8Linear`: per-row symmetric int8 on `aten._weight_int8pack_mm`, for GGUF's 5- to
-  8-bit blocks (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0), whose 32-weight scales no packed kernel
-  takes: each row is requantized to int8 at its own scale, half a step of rounding.
-- `Int8Rows`: per-row symmetric int8, shared by the token embedding (a row per token) and
-  the tied LM head, on oneDNN's int8 GEMM.
+- `Int8Linear`: per-row symmetric int8 on oneDNN's int8 GEMM (`_weight_int8pack_mm` without
+  oneDNN), for GGUF's 5- to 8-bit blocks (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0), whose 32-weight
+  scales no packed kernel takes: each row is requantized to int8 at its own scale, half a
+  step of rounding; and for the LM head.
+- `Int8Rows`: the same rows shared by the token embedding (a row per token) and a tied head.
 
 Float weights (safetensors, or GGUF types without a packed form) are quantized on load by
 min/max per group (`int4_from_float`)."""
@@ -20,7 +20,6 @@ import functools
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hcache.kernels.cpu import cpu
@@ -102,14 +101,12 @@ class Int4Linear(_Bf16Scales):
 
 
 class Int8Linear(_Bf16Scales):
-    """`x @ (q * scale).T + bias` for int8 q `[N, K]` and a bfloat16 scale per row.
-    `_weight_int8pack_mm` computes each output alone, so a row's result never depends on the
-    batch around it; it runs a row at a time, though, and from `GEMM_ROWS` rows on (a
-    prefill's chunks, never a decode step's batch) the matrix is widened to bfloat16 for
-    the GEMM where the CPU has bfloat16 dot products: several times faster, for the rounding
-    of each weight to bfloat16 once."""
-
-    GEMM_ROWS = 64
+    """`x @ (q * scale).T + bias` for int8 q `[N, K]` and a bfloat16 scale per row: GGUF's
+    5- to 8-bit matrices. On a CPU with oneDNN it runs on oneDNN's int8 GEMM from a
+    prepacked copy (`pack_for_onednn`, the rows then dropped), its activations quantized a
+    row at a time (`int8_rows_mm`); elsewhere on `_weight_int8pack_mm`, which runs a row at
+    a time (a batch-32 step several times slower). Both compute each output row from its own
+    activation row alone: a row's result never depends on the batch around it."""
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -117,11 +114,15 @@ class Int8Linear(_Bf16Scales):
         self.register_buffer("q", q)
         self.register_buffer("scales", scales)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self._handle: int | None = None  # `pack_for_onednn`'s copy, in `_ONEDNN`
+        self._bits = 8  # its activations'
+        self.packed_bytes = 0
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
-        rows = Int8Rows.from_float(w)
-        return cls(rows.q, rows.scales, bias)
+        s = (w.float().abs().amax(dim=1) / 127).clamp_min(1e-12)
+        q = torch.round(w.float() / s[:, None]).clamp_(-127, 127).to(torch.int8)
+        return cls(q, s.to(torch.bfloat16), bias)
 
     @classmethod
     def cat(cls, mods: tuple[Int8Linear, ...]) -> Int8Linear:
@@ -132,106 +133,104 @@ class Int8Linear(_Bf16Scales):
         return cls(torch.cat([m.q for m in mods]), torch.cat([m.scales for m in mods]), bias)
 
     def rows(self, lo: int, hi: int) -> Int8Linear:
+        """Output rows `lo..hi` as a module of their own (before packing: a view of the rows)."""
         bias = None if self.bias is None else self.bias[lo:hi]
         return Int8Linear(self.q[lo:hi], self.scales[lo:hi], bias)
 
+    def pack_for_onednn(self, bits: int | None = None, keep_rows: bool = False) -> bool:
+        """Serve `forward` on oneDNN's int8 GEMM from a prepacked copy of the rows, its
+        activations quantized to `bits` (default: what this CPU sums exactly,
+        `Cpu.head_activation_bits`); False where this torch has no oneDNN. The rows are
+        dropped unless `keep_rows` (an embedding tied to a head looks them up)."""
+        if self._handle is not None:
+            return True
+        if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")):
+            return False
+        packed = torch.ops.onednn.qlinear_prepack(self.q, None)
+        zeros = torch.zeros(self.out_features, dtype=torch.int32)
+        self._handle, self._bits = len(_ONEDNN), bits or cpu().head_activation_bits
+        _ONEDNN.append((packed, self.scales.float(), zeros, self._bits))
+        self.packed_bytes = self.q.numel()
+        if not keep_rows:
+            self.q = self.q.new_empty((self.out_features, 0))
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if flat.shape[0] >= self.GEMM_ROWS and cpu().bf16_gemm:
-            y = F.linear(flat, self.q.to(torch.bfloat16).mul_(self.scales[:, None])).to(x.dtype)
+        if self._handle is not None:
+            y = int8_rows_mm(x.reshape(-1, self.in_features), self._handle, self._bits).to(x.dtype)
         else:
+            flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
             y = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
 
-class Int8Rows(_Bf16Scales):
-    """A `[rows, dim]` matrix as int8 with a scale per row: an LM head (`forward`) and the
-    embedding it is tied to (`lookup`) share it."""
-
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor):
-        super().__init__()
-        self.register_buffer("q", q)
-        self.register_buffer("scales", scales)
-        self._handle: int | None = None  # `pack_for_onednn`'s copy, in `_ONEDNN`
-        self.packed_bytes = 0
-
-    @classmethod
-    def from_float(cls, w: torch.Tensor) -> Int8Rows:
-        s = (w.float().abs().amax(dim=1) / 127).clamp_min(1e-12)
-        q = torch.round(w.float() / s[:, None]).clamp_(-127, 127).to(torch.int8)
-        return cls(q, s.to(torch.bfloat16))
-
-    def pack_for_onednn(self, bits: int | None = None, keep_rows: bool = True) -> bool:
-        """Serve `forward` on oneDNN's int8 GEMM from a prepacked copy of the rows, its
-        activations quantized to `bits` (default: what this CPU sums exactly,
-        `Cpu.head_activation_bits`); False where this torch has no oneDNN. The rows are
-        dropped unless `keep_rows` (an embedding tied to this head looks them up).
-        `_weight_int8pack_mm` runs a row at a time: a batch-32 decode step's head is several
-        times slower there."""
-        if self._handle is not None:
-            return True
-        if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")):
-            return False
-        packed = torch.ops.onednn.qlinear_prepack(self.q, None)
-        zeros = torch.zeros(self.q.shape[0], dtype=torch.int32)
-        self._handle = len(_ONEDNN)
-        _ONEDNN.append((packed, self.scales.float(), zeros, bits or cpu().head_activation_bits))
-        self.packed_bytes = self.q.numel()
-        if not keep_rows:
-            self.q = self.q.new_empty((self.q.shape[0], 0))
-        return True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._handle is not None:
-            y = int8_rows_mm(x.reshape(-1, x.shape[-1]), self._handle).to(x.dtype)
-            return y.view(*x.shape[:-1], self.q.shape[0])
-        flat = x.reshape(-1, self.q.shape[1]).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales).to(x.dtype)
-        return y.view(*x.shape[:-1], self.q.shape[0])
+class Int8Rows(Int8Linear):
+    """A `[rows, dim]` matrix of int8 rows that an LM head (`forward`) and the embedding it is
+    tied to (`lookup`) share."""
 
     def lookup(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.q[tokens].to(dtype) * self.scales[tokens, None].to(dtype)
 
 
-# oneDNN's prepacked int8 matrices (opaque tensors), with their scales and zero points. The
-# custom op takes an index into this list: dynamo and inductor see no opaque tensor.
+# oneDNN's prepacked int8 matrices (opaque tensors), with their scales, zero points and
+# activation bits. The custom op takes an index into this list: dynamo and inductor see no
+# opaque tensor, and traced code reads nothing of it (a guard on it would recompile a graph
+# whenever another matrix is packed).
 _ONEDNN: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
 
 
-@torch.library.custom_op("hcache::int8_rows_mm", mutates_args=())
-def int8_rows_mm(x: torch.Tensor, handle: int) -> torch.Tensor:
+def int8_rows_mm(x: torch.Tensor, handle: int, bits: int) -> torch.Tensor:
     """`x @ rows.T` (float32 `[M, rows]`) on oneDNN's int8 GEMM. Each row of `x` is quantized
     on its own (so a row's result never depends on the others in the batch), in two passes:
-    the row at its own scale, then what that left over at the remainder's scale (two passes
-    of `bits`-bit values, sign included: about 15 bits at 8, 13 at 7, where one 8-bit pass
+    the row at its own scale, then what that left over at the remainder's (two passes of
+    `bits`-bit values, sign included: about 14 bits at 8, 12 at 7, where one 8-bit pass
     moved the shipped text's perplexity measurably). Both passes go in one call, which
-    costs about what one pass does. The integer sums are exact and the activation scale is 1, so
-    each output is `sum * row_scale`, rounded once. Activations go in unsigned around a zero
-    point: VNNI multiplies only unsigned by signed bytes (oneDNN ran signed activations on a
-    reference path), and without VNNI the pair sums saturate past 16 bits unless the
-    activations stay at or below 128 (`bits` 7)."""
-    packed, scales, zeros, bits = _ONEDNN[handle]
-    top = float(2 ** (bits - 1) - 1)
+    costs about what one pass does. Each scale is a power of two, taken from the row's
+    largest magnitude by masking its exponent: the quantized values and the remainder are
+    then exact, so an inductor-fused graph computes them to the same bits as eager code (no
+    reciprocal or fused multiply-add can round otherwise) and the per-call work fuses into
+    the graph around the GEMM. The integer sums are exact, so each output is
+    `sum * row_scale * activation_scale`, rounded the same way at any batch size. `bits`: the
+    handle's, as `pack_for_onednn` chose them."""
+    top = 2 ** (bits - 1) - 1
     x = x.float()
     m = x.shape[0]
-    q = torch.empty(2 * m, x.shape[1])
-    s1 = x.abs().amax(1, keepdim=True).div_(top).clamp_min_(1e-30)
-    torch.div(x, s1, out=q[:m]).round_().clamp_(-top, top)
-    rest = torch.addcmul(x, q[:m], s1, value=-1)
-    s2 = rest.abs().amax(1, keepdim=True).div_(top).clamp_min_(1e-30)
-    torch.div(rest, s2, out=q[m:]).round_().clamp_(-top, top)
-    zp = int(top) + 1
-    y = torch.ops.onednn.qlinear_pointwise(
-        q.add_(zp).to(torch.uint8), 1.0, zp, packed, scales, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+    s1 = _pow2_scale(x, bits)
+    q1 = torch.round(x * s1.reciprocal()).clamp(-top, top)
+    rest = x - q1 * s1
+    s2 = _pow2_scale(rest, bits)
+    q2 = torch.round(rest * s2.reciprocal()).clamp(-top, top)
+    q = (torch.cat([q1, q2]) + (top + 1)).to(torch.uint8)
+    y = onednn_int8_mm(q, handle)
+    return y[:m] * s1 + y[m:] * s2
+
+
+def _pow2_scale(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Per row, the power of two that puts the largest magnitude in [2^(bits-2), 2^(bits-1)):
+    the float32 exponent field alone (a row of zeros takes 2^-100's)."""
+    amax = x.abs().amax(1, keepdim=True).clamp_min(2.0**-100)
+    p = (amax.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2^floor(log2(amax))
+    return p * 2.0 ** -(bits - 2)
+
+
+@torch.library.custom_op("hcache::onednn_int8_mm", mutates_args=())
+def onednn_int8_mm(q: torch.Tensor, handle: int) -> torch.Tensor:
+    """`(q - zero) @ rows.T * row_scale` (float32) for uint8 activations around the zero point
+    2^(bits-1): VNNI multiplies only unsigned by signed bytes (oneDNN ran signed activations
+    on a reference path), and without VNNI the pair sums saturate past 16 bits unless the
+    activations stay at or below 128 (`bits` 7)."""
+    packed, scales, zeros, bits = _ONEDNN[handle]
+    zp = 2 ** (bits - 1)
+    return torch.ops.onednn.qlinear_pointwise(
+        q, 1.0, zp, packed, scales, zeros, None, 1.0, 0, torch.float32, "none", [], ""
     )
-    return y[:m].mul_(s1).add_(y[m:].mul_(s2))
 
 
-@int8_rows_mm.register_fake
-def _(x: torch.Tensor, handle: int) -> torch.Tensor:
-    return x.new_empty((x.shape[0], _ONEDNN[handle][1].shape[0]), dtype=torch.float32)
+@onednn_int8_mm.register_fake
+def _(q: torch.Tensor, handle: int) -> torch.Tensor:
+    return q.new_empty((q.shape[0], _ONEDNN[handle][1].shape[0]), dtype=torch.float32)
 
 
 class Int8Embedding(nn.Module):

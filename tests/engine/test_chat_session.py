@@ -26,8 +26,7 @@ def test_a_real_0_5b_chat_is_identical_across_restore_paths(qwen) -> None:
 
 
 def test_the_0_5b_chat_as_served_is_identical_across_restore_paths(qwen_packed) -> None:
-    """The same on its packed weights: int8 rows and int4 groups, and prefill chunks on the
-    bfloat16 GEMM (`Int8Linear.GEMM_ROWS`) where decode steps run a row at a time."""
+    """The same on its packed weights: int8 rows on oneDNN and int4 groups."""
     chat_identical_across_restore_paths(qwen_packed)
 
 
