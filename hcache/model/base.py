@@ -16,7 +16,7 @@ from torch import nn
 
 from hcache.model.cache import Cache
 from hcache.model.geometry import ModelConfig
-from hcache.model.quant import Int4Linear, Int8Linear, Int8Rows
+from hcache.model.quant import Int4Linear, Int8Linear
 
 # where a layer's K and V `[T, kv_heads, head_dim]` go (a KV cache's rows), or None: new tensors
 KVOut = tuple[torch.Tensor, torch.Tensor] | None
@@ -71,7 +71,7 @@ class DecoderModel(nn.Module, ABC):
         for t in [*self.parameters(), *self.buffers()]:
             st = t.untyped_storage()
             seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
-        return sum(seen.values()) + sum(m.packed_bytes for m in self.modules() if isinstance(m, Int8Rows))
+        return sum(seen.values()) + sum(m.packed_bytes for m in self.modules() if isinstance(m, Int8Linear))
 
     @property
     def device(self) -> torch.device:
