@@ -267,10 +267,11 @@ def _with_llama_cpp(args: argparse.Namespace) -> bool:
     return resolve_model_path(args.model).suffix == ".gguf"
 
 
-def section(data: dict) -> list[str]:
-    """RESULTS.md's section for bench/results/rag.json."""
+def section(data: dict, stem: str = "rag") -> list[str]:
+    """RESULTS.md's section for bench/results/`stem`.json (`rag_MODEL.json`: another model's)."""
+    model = "" if data["model"] == "default" else f" ({data['model']})"
     out = [
-        "## RAG: questions over several stored documents",
+        f"## RAG: questions over several stored documents{model}",
         "",
         f"`bench/rag.py`: {data['model']} with {data['weights']} weights and a {data['kv_dtype']} KV cache; "
         f"{data['per_query']} documents of about {data['doc_tokens']:.0f} tokens in a random order before a "
@@ -314,7 +315,7 @@ def section(data: dict) -> list[str]:
                 f"| {m} | {r['accuracy']:.2f} | {r['agreement']:.2f} | {r['kl_mean']:.4f} | {r['kl_median']:.4f} |"
             )
         out.append("")
-    return [*out, "Raw results: `bench/results/rag.json`.", ""]
+    return [*out, f"Raw results: `bench/results/{stem}.json`.", ""]
 
 
 def main(argv: list[str] | None = None) -> int:

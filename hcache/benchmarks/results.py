@@ -44,9 +44,8 @@ def render(results: Path, bench_dir: Path) -> str:
     eng = _load(results, "engine")
     if eng is not None:
         lines += engine_section(eng)
-    rag = _load(results, "rag")
-    if rag is not None:
-        lines += rag_section(rag)
+    for p in sorted(results.glob("rag*.json")):  # the default model's, then other models' (rag_MODEL)
+        lines += rag_section(json.loads(p.read_text()), p.stem)
     for name, title in (
         ("serve", "Serving trace"),
         ("storage", "Storage"),

@@ -28,7 +28,7 @@ from hcache.model.quant import WEIGHT_MODES, Int8Embedding, Int8Linear, Int8Rows
 from hcache.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from gguf import GGUFReader
+    from gguf import GGUFReader, ReaderTensor
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -313,9 +313,17 @@ def _gguf_reader(path: Path) -> GGUFReader:
     return GGUFReader(str(path))
 
 
-def _load_gguf(reader: GGUFReader, weights: str = "float") -> tuple[DecoderModel, Tokenizer]:
+def dequantized(t: ReaderTensor) -> np.ndarray:
+    """A GGUF tensor as float, or a ValueError naming a type the `gguf` package cannot read."""
     from gguf.quants import dequantize
 
+    try:
+        return dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        raise ValueError(f"GGUF tensor {t.name} is of type {t.tensor_type.name}, which hcache cannot read") from None
+
+
+def _load_gguf(reader: GGUFReader, weights: str = "float") -> tuple[DecoderModel, Tokenizer]:
     fields = read_gguf_fields(reader)
     arch = fields.get("general.architecture")
     if arch not in GGUF_ARCHS:
@@ -340,7 +348,7 @@ def _load_gguf(reader: GGUFReader, weights: str = "float") -> tuple[DecoderModel
             if module is not None:
                 modules[name.rsplit(".", 1)[0]] = module
                 continue
-        w = dequantize(t.data, t.tensor_type).reshape(shape)
+        w = dequantized(t).reshape(shape)
         if t.name == "rope_freqs.weight":
             freq_factors = torch.from_numpy(np.array(w, dtype=np.float32))
             continue

@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
 from hcache.model.gguf_blocks import INT4_TYPES, PACKED_TYPES, packed_linear, unpermute
+from hcache.model.loader import dequantized
 from hcache.model.quant import Int4Linear, Int8Linear
 
 ROWS, COLS = 48, 512
@@ -83,6 +84,18 @@ def test_llama_q_rows_are_unpermuted_with_their_scales(qtype, tmp_path):
     plain = _kernel_weights(packed_linear(raw, qtype, ROWS, COLS))
     got = _kernel_weights(packed_linear(raw, qtype, ROWS, COLS, heads))
     assert torch.equal(got, torch.from_numpy(unpermute(plain.numpy(), heads)))
+
+
+def test_a_type_nothing_reads_is_named(tmp_path):
+    path = tmp_path / "i32.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.ffn_up.weight", np.zeros((4, 32), np.int32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight is of type I32"):
+        dequantized(GGUFReader(str(path)).tensors[0])
 
 
 def test_types_without_a_packed_form_are_left_to_the_caller():
