@@ -34,6 +34,8 @@ from hcache.benchmarks import report
 from hcache.benchmarks.engine import run_turn
 from hcache.benchmarks.llamacpp import Peer
 from hcache.benchmarks.peers import machine
+from hcache.benchmarks.rag_pipeline import REPLY_TOKENS, pipeline, zipf_queries
+from hcache.benchmarks.rag_pipeline import section as pipeline_section
 from hcache.config import EngineConfig, StorageConfig
 from hcache.engine.block_pool import resident_kv_dtype
 from hcache.engine.compose import Composition
@@ -254,10 +256,31 @@ def run(args: argparse.Namespace) -> dict:
                 if peer:
                     peer.close()
             out["speed_queries"] = len(qs)
+            if args.pipeline_queries:
+                out["pipeline"] = _pipeline(engine, tok, args, rng)
         finally:
             engine.close()
             store.close()
     return out
+
+
+def _pipeline(engine: Engine, tok: Tokenizer, args: argparse.Namespace, rng: random.Random) -> dict:
+    """The pipeline figure (`rag_pipeline`) over a corpus of its own, precomputed here."""
+    texts, facts = corpus(args.pipeline_docs, args.doc_tokens, tok, seed=1)
+    docs = [tok.encode(t) for t in texts]
+    ctx = [engine.precompute_context(token_ids=d).id for d in docs]
+    questions: dict[int, list[list[int]]] = {}
+    for d, q, start, _ in facts:
+        questions.setdefault(d, []).append(tok.encode_chat([{"role": "user", "content": q}]) + tok.encode(start))
+    queries = zipf_queries(args.pipeline_queries, len(docs), args.per_query, questions, args.zipf, rng)
+    return {
+        "docs": len(docs),
+        "queries": len(queries),
+        "concurrency": args.concurrency,
+        "zipf_s": args.zipf,
+        "reply_tokens": REPLY_TOKENS,
+        "modes": pipeline(engine, ctx, docs, queries, args.blend_fraction, args.concurrency),
+    }
 
 
 def _with_llama_cpp(args: argparse.Namespace) -> bool:
@@ -302,6 +325,8 @@ def section(data: dict, stem: str = "rag") -> list[str]:
             r = s[m]
             out.append(f"| {name} | {r['p50_ms']:.0f} | {r['over_full']:.2f} | {read.get(m, 0)} |")
         out.append("")
+    if p := data.get("pipeline"):
+        out += pipeline_section(p)
     if q := data.get("quality"):
         out += [
             f"Quality over {data['quality_queries']} queries, against full prefill (accuracy: the reply starts with "
@@ -333,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.05, 0.15, 0.3])
     ap.add_argument("--blend-fraction", type=float, default=0.15)
     ap.add_argument("--budget-mb", type=int, default=2048)
+    ap.add_argument("--pipeline-queries", type=int, default=0, help="queries of the pipeline figure (0: none)")
+    ap.add_argument("--pipeline-docs", type=int, default=200, help="documents of the pipeline's corpus")
+    ap.add_argument("--concurrency", type=int, default=4, help="the pipeline's clients at once")
+    ap.add_argument("--zipf", type=float, default=1.0, help="the pipeline's Zipf exponent of document popularity")
     ap.add_argument(
         "--no-llama-cpp", dest="llama_cpp", action="store_false", help="leave llama.cpp's prefill out of the speed rows"
     )
@@ -354,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"{m:14}{r['accuracy']:>10.2f}{r['agreement']:>11.2f}{r['kl_mean']:>10.4f}{r['kl_median']:>11.4f}"
                 )
+        if p := data.get("pipeline"):
+            print("", *pipeline_section(p), sep="\n")
         if s := data.get("speed"):
             print(f"\nTTFT over {data['speed_queries']} queries, documents from storage")
             print(f"{'mode':18}{'p50 ms':>10}{'/ full':>9}{'tokens read':>13}")
