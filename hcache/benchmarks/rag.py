@@ -13,9 +13,8 @@ puts `--per-query` documents in a random order before a question whose answer is
   TTFT of a full prefill of the same tokens, exact the first time, exact on a prefix hit
   (the same composition again), blend at `--blend-fraction` and concat, and llama.cpp's
   prefill of the same prompt on the same GGUF (in a process of its own, where
-  llama-cpp-python is installed: `make bench-peers`), interleaved per query.
-
-Medians; JSON in bench/results/rag.json."""
+  llama-cpp-python is installed: `make bench-peers`), interleaved per query; with
+  `--pipeline-queries`, the pipeline figure (`rag_pipeline`). Medians; JSON in bench/results."""
 
 from __future__ import annotations
 
@@ -340,7 +339,8 @@ def section(data: dict, stem: str = "rag") -> list[str]:
                 f"| {m} | {r['accuracy']:.2f} | {r['agreement']:.2f} | {r['kl_mean']:.4f} | {r['kl_median']:.4f} |"
             )
         out.append("")
-    return [*out, f"Raw results: `bench/results/{stem}.json`.", ""]
+    notes = [f"Note: {data[k]}" for k in ("quality_note", "pipeline_note") if k in data]  # merged runs
+    return [*out, *notes, f"Raw results: `bench/results/{stem}.json`.", ""]
 
 
 def main(argv: list[str] | None = None) -> int:
