@@ -64,8 +64,8 @@ def bench_model(name: str, dtype: torch.dtype, device: str = "cpu", random_weigh
         return llama7b_geometry(2, dtype, device)
     if random_weights:
         model = random_llama(DEFAULT_GEOMETRY, dtype, device)
-    else:
-        model = load("default", str(dtype).removeprefix("torch."), device).model
+    else:  # "default", "default-mha", or any model by name or path, its weights dequantized
+        model = load("default" if name == "default-mha" else name, str(dtype).removeprefix("torch."), device).model
     return expand_to_mha(model) if name == "default-mha" else model
 
 

@@ -53,6 +53,9 @@ def render(results: Path, bench_dir: Path) -> str:
     ):
         if (results / f"{name}.json").exists():
             lines += [f"## {title}", "", f"Raw results: `bench/results/{name}.json`.", ""]
+    for other in sorted(results.glob("restore_*.json")):  # other models' (GPU runs are `restore_h100*`)
+        if not other.stem.startswith("restore_h100"):
+            lines += _restore_model(json.loads(other.read_text()), other.stem)
     cap = _load(results, "serve_capacity")
     if cap is not None:
         lines += _capacity(cap)
@@ -64,6 +67,38 @@ def render(results: Path, bench_dir: Path) -> str:
         lines += _cluster(cluster)
     lines += ["## Commands", "", "```", COMMANDS.rstrip(), "```", ""]
     return "\n".join(lines)
+
+
+def _restore_model(data: dict, stem: str) -> list[str]:
+    """`hcache bench restore --models NAME` on another model: each method against the
+    planner's prediction, and what a restore saves against recomputing the context."""
+    rows = [r for r in data["rows"] if not r["cap_gbps"]]
+    model = rows[0]["model"] if rows else stem
+    out = [
+        f"## Restore methods on {model} (`bench/results/{stem}.json`)",
+        "",
+        f"Median of each method's restores from one storage directory (O_DIRECT, no read cap), "
+        f"{data.get('torch_threads', '?')} threads, {data.get('device', 'cpu')}; ms measured (predicted by "
+        "the planner). RE past the benchmark's budget is predicted, not timed.",
+        "",
+        "| tokens | RE | KV | H | auto (plan) | restore saves |",
+        "|---:|---:|---:|---:|---:|---|",
+    ]
+    for n in sorted({r["tokens"] for r in rows}):
+        by = {r["method"]: r for r in rows if r["tokens"] == n}
+
+        def cell(m: str, by: dict = by) -> str:
+            r = by.get(m, {})
+            ms = r.get("ms")
+            measured = "-" if ms is None or isinstance(ms, str) else f"{ms:,.0f}"
+            return f"{measured} ({r.get('predicted_ms', 0):,.0f})"
+
+        auto, re = by.get("auto", {}), by.get("RE", {})
+        re_ms = re.get("ms") if isinstance(re.get("ms"), float) else re.get("predicted_ms")
+        saves = f"{re_ms / 1e3:.1f} s of recompute for {auto['ms']:.0f} ms" if re_ms and auto.get("ms") else "-"
+        plan = auto.get("plan", "")
+        out.append(f"| {n} | {cell('RE')} | {cell('KV')} | {cell('H')} | {cell('auto')} {plan} | {saves} |")
+    return [*out, ""]
 
 
 def _capacity(data: dict) -> list[str]:
