@@ -80,10 +80,11 @@ def resolve_model_path(name: str) -> Path:
 
 def load(name: str = "default", dtype: str = "float32", device: str = "cpu", weights: str = "float") -> LoadedModel:
     """weights: `float` dequantizes every tensor (the oracle); `packed` keeps linear layers on
-    torch's packed CPU kernels, which take and give bfloat16: GGUF blocks as the file stores
-    them (`gguf_blocks`), other weights quantized to int4 on load; the embedding and LM head
-    are per-row int8. A float32 model keeps float32 everywhere else (norms, attention, the
-    KV cache). `auto` is `auto_weights`' choice."""
+    packed CPU kernels: GGUF blocks as the file stores them (`gguf_blocks`: int4 groups on
+    torch's kernel, which takes and gives bfloat16; int8 rows on oneDNN's), other weights
+    quantized to int4 on load; the embedding and LM head are per-row int8. A float32 model
+    keeps float32 everywhere else (norms, attention, the KV cache). `auto` is
+    `auto_weights`' choice."""
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     if weights not in ("auto", *WEIGHT_MODES):
