@@ -40,6 +40,14 @@ class _Bf16Scales(nn.Module):
         return self
 
 
+def _cat_bias(mods: tuple[nn.Module, ...]) -> torch.Tensor | None:
+    """The modules' biases end to end (zeros for one without), or None where none has one."""
+    if all(m.bias is None for m in mods):
+        return None
+    dt = next(m.bias.dtype for m in mods if m.bias is not None)
+    return torch.cat([torch.zeros(m.out_features, dtype=dt) if m.bias is None else m.bias.data for m in mods])
+
+
 class Int4Linear(_Bf16Scales):
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -63,13 +71,8 @@ class Int4Linear(_Bf16Scales):
         """One matrix of the modules' output rows, in order (the packed form is row-major in N,
         the scales N-minor): the kernel computes each output column alone, so one call gives
         the separate calls' bits."""
-        bias = None
-        if any(m.bias is not None for m in mods):
-            dt = next(m.bias.dtype for m in mods if m.bias is not None)
-            zeros = [torch.zeros(m.out_features, dtype=dt) for m in mods]
-            bias = torch.cat([z if m.bias is None else m.bias.data for m, z in zip(mods, zeros, strict=True)])
         packed = torch.cat([m.packed for m in mods])
-        return cls(packed, torch.cat([m.scales_zeros for m in mods], dim=1), bias)
+        return cls(packed, torch.cat([m.scales_zeros for m in mods], dim=1), _cat_bias(mods))
 
     @staticmethod
     @functools.cache
@@ -126,11 +129,7 @@ class Int8Linear(_Bf16Scales):
 
     @classmethod
     def cat(cls, mods: tuple[Int8Linear, ...]) -> Int8Linear:
-        bias = None
-        if any(m.bias is not None for m in mods):
-            dt = next(m.bias.dtype for m in mods if m.bias is not None)
-            bias = torch.cat([torch.zeros(m.out_features, dtype=dt) if m.bias is None else m.bias.data for m in mods])
-        return cls(torch.cat([m.q for m in mods]), torch.cat([m.scales for m in mods]), bias)
+        return cls(torch.cat([m.q for m in mods]), torch.cat([m.scales for m in mods]), _cat_bias(mods))
 
     def rows(self, lo: int, hi: int) -> Int8Linear:
         """Output rows `lo..hi` as a module of their own (before packing: a view of the rows)."""
