@@ -181,10 +181,13 @@ def _decode_variant(
 
 
 def _memory(lm: Any) -> dict[str, float]:
-    """Resident weights (`DecoderModel.weight_bytes`) against the GGUF file, and the process's
-    peak RSS so far (before llama.cpp loads)."""
+    """Resident weights (`DecoderModel.weight_bytes`) against the GGUF file, the bytes a
+    decode step streams with the machine's streaming read rate (its bound), and the
+    process's peak RSS so far (before llama.cpp loads)."""
     return {
         "weights_mb": lm.model.weight_bytes() / 1e6,
+        "step_weights_mb": lm.model.step_bytes() / 1e6,
+        "stream_read_gbps": measures.stream_read_gbps(),
         "gguf_mb": lm.source.stat().st_size / 1e6,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3,
     }

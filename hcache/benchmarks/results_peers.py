@@ -46,6 +46,9 @@ def _targets(peers: dict, prefill_goal: float = 2.0) -> list[str]:
         if a.get("weights_mb"):
             r = a["weights_mb"] / a["gguf_mb"]
             add("resident weights <= 1.3x the GGUF file", r, r <= 1.3)
+        if a.get("stream_read_gbps"):
+            r = _step_gbps(a) / a["stream_read_gbps"]
+            add("batch-1 weight stream >= 0.7x the machine's read rate", r, r >= 0.7)
     resident = [h[f"turn_after_{m}_ms"] for m in ("auto", "kv", "hidden", "re") if h.get(f"turn_after_{m}_ms")]
     if resident and ll:
         turn, both = statistics.median(resident), ll["ttft_after_eviction_ms"]
@@ -59,6 +62,21 @@ def _targets(peers: dict, prefill_goal: float = 2.0) -> list[str]:
             + ". A restore, however fast, only adds to it.",
         ]
     return out
+
+
+def _step_gbps(dec: dict) -> float:
+    """GB/s of weights a batch-1 decode step streamed."""
+    return dec["step_weights_mb"] / dec["tbt_b1_ms"]
+
+
+def _stream(a: dict) -> str:
+    if not a.get("stream_read_gbps"):
+        return ""
+    return (
+        f" A batch-1 step streams {a['step_weights_mb']:.1f} MB of weights: {_step_gbps(a):.1f} GB/s against "
+        f"the machine's streaming read of {a['stream_read_gbps']:.1f} GB/s (a float32 sum, median), whose floor "
+        f"is {a['step_weights_mb'] / a['stream_read_gbps']:.2f} ms a step."
+    )
 
 
 def _quality(peers: dict) -> list[str]:
@@ -186,6 +204,7 @@ def kind_section(peers: dict, name: str, model: str | None = None) -> list[str]:
         f"| {fmt(ll.get('ttft_after_eviction_ms'))} |",
         f"| batch-1 TBT (ms) | {fmt(a.get('tbt_b1_ms'), 2)} | {fmt(b.get('tbt_b1_ms'), 2)} |",
         f"| batch-{big} tokens/s | {fmt(a.get(f'tokens_per_s_b{big}'))} | {fmt(b.get(f'tokens_per_s_b{big}'))} |",
+        *(["", _stream(a).strip()] if _stream(a) else []),
         "",
         *_targets(peers, 1.5 if model else 2.0),
         "",
@@ -281,6 +300,7 @@ def peers_section(peers: dict, bench_dir: Path) -> list[str]:
                 f"per batch-1 step; resident weights {a['weights_mb']:.1f} MB for a {a['gguf_mb']:.1f} MB GGUF; "
                 f"peak RSS before llama.cpp loaded {a['peak_rss_mb']:.0f} MB.",
             ]
+            lines[-1] += _stream(a)
     if saver_off := dec.get("hcache", {}).get("tbt_b1_saver_off_ms"):
         lines += [
             "",

@@ -52,6 +52,7 @@ class Cpu:
     bf16: bool  # AVX512-BF16 dot products, for our own kernels
     amx: bool  # AMX tiles (torch's flash kernel and oneDNN use them)
     int8_vnni: bool  # oneDNN's int8 GEMM sums byte products in 32 bits (VNNI or AMX)
+    vnni: bool = False  # AVX512-VNNI, for our own int8 kernel
 
     @property
     def kind(self) -> str:
@@ -89,13 +90,16 @@ class Cpu:
 
     def paths(self) -> dict[str, str]:
         """The kernel each hot path runs here, by name."""
-        head = "onednn-int8" if torch.backends.mkldnn.is_available() else "int8pack"
+        from hcache.kernels import COMPILE
+
+        library = "onednn-int8" if torch.backends.mkldnn.is_available() else "int8pack"
+        int8 = "native-vnni" if COMPILE and self.vnni else f"{library}-a{self.head_activation_bits}"
         return {
             "cpu": self.kind,
             "aten": self.aten.lower(),
             "int4_linear": f"int4pack-{self.aten.lower()}",
-            "int8_linear": f"{head}-a{self.head_activation_bits}",
-            "lm_head": f"{head}-a{self.head_activation_bits}",
+            "int8_linear": int8,
+            "lm_head": int8,
             "attention": self.attention,
             "decode_attention": "inductor-float32",
         }
@@ -111,4 +115,4 @@ def cpu() -> Cpu:
     bf16 = avx512 and torch.cpu._is_avx512_bf16_supported()
     vnni_hw = torch.cpu._is_vnni_supported() or amx
     vnni_dnn = _onednn_allows("AVX512_CORE_VNNI" if avx512 else "AVX2_VNNI")
-    return Cpu(arch, aten, avx512, bf16, amx, x86 and vnni_hw and vnni_dnn)
+    return Cpu(arch, aten, avx512, bf16, amx, x86 and vnni_hw and vnni_dnn, avx512 and torch.cpu._is_vnni_supported())

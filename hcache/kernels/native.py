@@ -5,8 +5,12 @@ ninja; cached under `TORCH_EXTENSIONS_DIR`, rebuilt when the source changes).
 products (`attention_bf16.cpp`). No library kernel reaches that rate on a CPU without
 AMX: torch's flash kernel multiplies through MKL's bfloat16 GEMM, inductor's templates
 widen to float32, oneDNN's fused graph rounds the scores to bfloat16 (bench/RESULTS.md).
-None when the CPU lacks AVX512-BF16 (`Cpu.bf16`), when building fails (logged once), or with
-`HCACHE_COMPILE=0`: callers keep their library path."""
+`int8_gemm`: few rows of uint8 activations times int8 weight rows with AVX512-VNNI
+(`int8_gemm.cpp`): oneDNN's u8s8 GEMM streams a decode step's weights at about half the
+machine's read rate.
+
+Each is None when the CPU lacks its instructions (`Cpu.bf16`, `Cpu.vnni`), when building
+fails (logged once), or with `HCACHE_COMPILE=0`: callers keep their library path."""
 
 from __future__ import annotations
 
@@ -24,10 +28,11 @@ from hcache.kernels.cpu import cpu
 
 log = logging.getLogger(__name__)
 
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"]
 _lock = threading.Lock()
 _UNBUILT = object()
 _attention: Callable[..., torch.Tensor] | object | None = _UNBUILT
+_int8: Callable[..., torch.Tensor] | object | None = _UNBUILT
 
 
 def attention_bf16() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None:
@@ -37,11 +42,28 @@ def attention_bf16() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, floa
     if _attention is _UNBUILT:  # every layer of every forward asks: the lock only until built
         with _lock:
             if _attention is _UNBUILT:
-                _attention = _build() if COMPILE and cpu().bf16 else None
+                op = "hcache_kernels.causal_attention_bf16"
+                _attention = _build("attention_bf16", "-mavx512bf16", op) if COMPILE and cpu().bf16 else None
     return _attention  # type: ignore[return-value]
 
 
-def _build() -> Callable[..., torch.Tensor] | None:
+def int8_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor] | None:
+    """`op(a, tiles, sums, scales, zero) -> (a - zero) @ w.T * scales`, float32 `[M, N]`, for
+    uint8 activations `a [M, K]` and the weight rows `w [N, K]` in `int8_pack`'s tiles."""
+    global _int8
+    if _int8 is _UNBUILT:
+        with _lock:
+            if _int8 is _UNBUILT:
+                _int8 = _build("int8_gemm", "-mavx512vnni", "hcache_int8.int8_mm") if COMPILE and cpu().vnni else None
+    return _int8  # type: ignore[return-value]
+
+
+def int8_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 rows `[N, K]` (K a multiple of 4) into `int8_gemm`'s tiles, and each row's sum."""
+    return torch.ops.hcache_int8.pack(w)
+
+
+def _build(name: str, isa: str, op: str) -> Callable[..., torch.Tensor] | None:
     from torch.utils.cpp_extension import load
 
     try:
@@ -49,15 +71,11 @@ def _build() -> Callable[..., torch.Tensor] | None:
             import ninja
 
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-        source = Path(__file__).with_name("attention_bf16.cpp")
-        load(
-            "hcache_attention_bf16",
-            [str(source)],
-            extra_cflags=_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
-        return torch.ops.hcache_kernels.causal_attention_bf16
-    except Exception as e:  # no compiler, or one without AVX512-BF16: the library path serves
-        log.warning("building attention_bf16 failed, attention runs on library kernels: %s", e)
+        source = Path(__file__).with_name(f"{name}.cpp")
+        flags = [*_FLAGS, isa]
+        load(f"hcache_{name}", [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False)
+        namespace, fn = op.split(".")
+        return getattr(getattr(torch.ops, namespace), fn)
+    except Exception as e:  # no compiler, or one without the ISA: the library path serves
+        log.warning("building %s failed, it runs on library kernels: %s", name, e)
         return None

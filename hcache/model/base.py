@@ -67,11 +67,13 @@ class DecoderModel(nn.Module, ABC):
     def weight_bytes(self) -> int:
         """Bytes the weights hold resident: every tensor once (tied and viewed ones share
         storage), plus oneDNN's prepacked copies."""
-        seen: dict[int, int] = {}
-        for t in [*self.parameters(), *self.buffers()]:
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
-        return sum(seen.values()) + sum(m.packed_bytes for m in self.modules() if isinstance(m, Int8Linear))
+        return _bytes(self)
+
+    def step_bytes(self) -> int:
+        """Bytes of weights a decode step streams: every layer, the final norm and the LM
+        head (the embedding table only where the head is tied to it; a step looks up one row)."""
+        norm = getattr(self, "norm", None)
+        return _bytes(*self.layers, *([norm] if norm is not None else []), self.lm_head)
 
     @property
     def device(self) -> torch.device:
@@ -157,3 +159,13 @@ def _slot(hidden_out: torch.Tensor | dict[int, torch.Tensor] | None, layer: int)
     if isinstance(hidden_out, dict):
         return hidden_out.get(layer)
     return None if hidden_out is None else hidden_out[layer]
+
+
+def _bytes(*mods: nn.Module) -> int:
+    """Bytes of the modules' tensors, each storage once, plus oneDNN's prepacked copies."""
+    seen: dict[int, int] = {}
+    for t in [p for m in mods for p in (*m.parameters(), *m.buffers())]:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+    packed = {id(m): m.packed_bytes for mod in mods for m in mod.modules() if isinstance(m, Int8Linear)}
+    return sum(seen.values()) + sum(packed.values())

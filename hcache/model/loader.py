@@ -112,12 +112,13 @@ def load(name: str = "default", dtype: str = "float32", device: str = "cpu", wei
 
 
 def _pack_int8(model: DecoderModel) -> None:
-    """Every int8 matrix onto oneDNN's prepacked copy, its rows dropped: an embedding looks
-    its rows up, so its rows stay, and are packed only where the head is tied to them."""
+    """Every int8 matrix into its packed form (`Int8Linear.pack`), its rows dropped. An
+    embedding looks its rows up: it is packed only where the head is tied to it, and then
+    keeps its rows unless the packed form can look them up itself."""
     embedding = getattr(model.embed_tokens, "rows", None)
     for mod in list(model.modules()):
         if isinstance(mod, Int8Linear) and (mod is not embedding or mod is model.lm_head):
-            mod.pack_for_onednn(keep_rows=mod is embedding)
+            mod.pack(keep_rows=mod is embedding)
 
 
 def auto_weights(path: Path, device: str = "cpu", reader: GGUFReader | None = None) -> str:

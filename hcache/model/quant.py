@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from hcache.kernels import native
 from hcache.kernels.cpu import cpu
 
 GROUP = 32
@@ -105,11 +106,12 @@ class Int4Linear(_Bf16Scales):
 
 class Int8Linear(_Bf16Scales):
     """`x @ (q * scale).T + bias` for int8 q `[N, K]` and a bfloat16 scale per row: GGUF's
-    5- to 8-bit matrices. On a CPU with oneDNN it runs on oneDNN's int8 GEMM from a
-    prepacked copy (`pack_for_onednn`, the rows then dropped), its activations quantized a
-    row at a time (`int8_rows_mm`); elsewhere on `_weight_int8pack_mm`, which runs a row at
-    a time (a batch-32 step several times slower). Both compute each output row from its own
-    activation row alone: a row's result never depends on the batch around it."""
+    5- to 8-bit matrices. `pack` moves the rows into one packed form, its activations
+    quantized a row at a time (`int8_rows_mm`): our AVX512-VNNI kernel's tiles where it
+    runs (`kernels.native.int8_gemm`), else oneDNN's prepacked copy; without either it
+    stays on `_weight_int8pack_mm`, which runs a row at a time (a batch-32 step several
+    times slower). Every path computes each output row from its own activation row alone: a
+    row's result never depends on the batch around it."""
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -117,9 +119,11 @@ class Int8Linear(_Bf16Scales):
         self.register_buffer("q", q)
         self.register_buffer("scales", scales)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.register_buffer("tiles", None)  # `pack_native`'s: the rows in the kernel's tiles
+        self.register_buffer("sums", None)  # and each row's sum
         self._handle: int | None = None  # `pack_for_onednn`'s copy, in `_ONEDNN`
-        self._bits = 8  # its activations'
-        self.packed_bytes = 0
+        self._bits = 8  # the packed form's activations'
+        self.packed_bytes = 0  # bytes held outside the module's tensors (oneDNN's copy)
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
@@ -136,6 +140,26 @@ class Int8Linear(_Bf16Scales):
         bias = None if self.bias is None else self.bias[lo:hi]
         return Int8Linear(self.q[lo:hi], self.scales[lo:hi], bias)
 
+    @property
+    def is_packed(self) -> bool:
+        return self.tiles is not None or self._handle is not None
+
+    def pack(self, keep_rows: bool = False) -> bool:
+        """The rows into the fastest packed form this CPU has; False where none is."""
+        return self.pack_native() or self.pack_for_onednn(keep_rows=keep_rows)
+
+    def pack_native(self) -> bool:
+        """Serve `forward` on our AVX512-VNNI kernel from its tiles of the rows, which
+        replace them (a tied embedding looks its rows up in the tiles); False where the
+        kernel does not run here or K is not a multiple of 4."""
+        if self.tiles is not None:
+            return True
+        if native.int8_gemm() is None or self.in_features % 4 or self._handle is not None:
+            return False
+        self.tiles, self.sums = native.int8_pack(self.q)
+        self.q, self._bits = self.q.new_empty((self.out_features, 0)), 8
+        return True
+
     def pack_for_onednn(self, bits: int | None = None, keep_rows: bool = False) -> bool:
         """Serve `forward` on oneDNN's int8 GEMM from a prepacked copy of the rows, its
         activations quantized to `bits` (default: what this CPU sums exactly,
@@ -143,7 +167,8 @@ class Int8Linear(_Bf16Scales):
         dropped unless `keep_rows` (an embedding tied to a head looks them up)."""
         if self._handle is not None:
             return True
-        if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")):
+        onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")
+        if self.tiles is not None or not onednn:
             return False
         packed = torch.ops.onednn.qlinear_prepack(self.q, None)
         zeros = torch.zeros(self.out_features, dtype=torch.int32)
@@ -155,8 +180,8 @@ class Int8Linear(_Bf16Scales):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._handle is not None:
-            y = int8_rows_mm(x.reshape(-1, self.in_features), self._handle, self._bits).to(x.dtype)
+        if self.tiles is not None or self._handle is not None:
+            y = int8_rows_mm(x.reshape(-1, self.in_features), self._int8_mm, self._bits).to(x.dtype)
         else:
             flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
             y = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales).to(x.dtype)
@@ -164,13 +189,24 @@ class Int8Linear(_Bf16Scales):
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
+    def _int8_mm(self, q: torch.Tensor) -> torch.Tensor:
+        """`(q - zero) @ rows.T * scale`, float32, for uint8 activations around the zero point."""
+        zero = 2 ** (self._bits - 1)
+        if self.tiles is not None:
+            return torch.ops.hcache_int8.int8_mm(q, self.tiles, self.sums, self.scales, zero)
+        return onednn_int8_mm(q, self._handle)
+
 
 class Int8Rows(Int8Linear):
     """A `[rows, dim]` matrix of int8 rows that an LM head (`forward`) and the embedding it is
     tied to (`lookup`) share."""
 
     def lookup(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self.q[tokens].to(dtype) * self.scales[tokens, None].to(dtype)
+        if self.tiles is None:
+            q = self.q[tokens]
+        else:  # row r is lane r % 16 of tile r // 16, 4 inputs a step
+            q = self.tiles[tokens // 16, :, tokens % 16, :].reshape(*tokens.shape, self.in_features)
+        return q.to(dtype) * self.scales[tokens, None].to(dtype)
 
 
 # oneDNN's prepacked int8 matrices (opaque tensors), with their scales, zero points and
@@ -180,8 +216,9 @@ class Int8Rows(Int8Linear):
 _ONEDNN: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
 
 
-def int8_rows_mm(x: torch.Tensor, handle: int, bits: int) -> torch.Tensor:
-    """`x @ rows.T` (float32 `[M, rows]`) on oneDNN's int8 GEMM. Each row of `x` is quantized
+def int8_rows_mm(x: torch.Tensor, mm: Callable[[torch.Tensor], torch.Tensor], bits: int) -> torch.Tensor:
+    """`x @ rows.T` (float32 `[M, rows]`) on an int8 GEMM `mm` (uint8 activations around
+    the zero point 2^(bits-1), float32 out). Each row of `x` is quantized
     on its own (so a row's result never depends on the others in the batch), in two passes:
     the row at its own scale, then what that left over at the remainder's (two passes of
     `bits`-bit values, sign included: about 14 bits at 8, 12 at 7, where one 8-bit pass
@@ -192,7 +229,7 @@ def int8_rows_mm(x: torch.Tensor, handle: int, bits: int) -> torch.Tensor:
     reciprocal or fused multiply-add can round otherwise) and the per-call work fuses into
     the graph around the GEMM. The integer sums are exact, so each output is
     `sum * row_scale * activation_scale`, rounded the same way at any batch size. `bits`: the
-    handle's, as `pack_for_onednn` chose them."""
+    packed form's."""
     top = 2 ** (bits - 1) - 1
     x = x.float()
     m = x.shape[0]
@@ -202,7 +239,7 @@ def int8_rows_mm(x: torch.Tensor, handle: int, bits: int) -> torch.Tensor:
     s2 = _pow2_scale(rest, bits)
     q2 = torch.round(rest * s2.reciprocal()).clamp(-top, top)
     q = (torch.cat([q1, q2]) + (top + 1)).to(torch.uint8)
-    y = onednn_int8_mm(q, handle)
+    y = mm(q)
     return y[:m] * s1 + y[m:] * s2
 
 

@@ -104,13 +104,13 @@ def test_types_without_a_packed_form_are_left_to_the_caller():
     assert packed_linear(np.zeros((ROWS, COLS // 256 * 84), np.uint8), T.Q2_K, ROWS, COLS) is None
 
 
-@pytest.mark.parametrize("onednn", [None, 8, 7], ids=["int8pack", "onednn-a8", "onednn-a7"])
+@pytest.mark.parametrize("onednn", [None, 8, 7, "native"], ids=["int8pack", "onednn-a8", "onednn-a7", "native"])
 def test_int8_rows_are_row_independent_and_concatenate(onednn):
-    """Both int8 kernels compute each output row from its activation row alone: a row's
+    """Every int8 kernel computes each output row from its activation row alone: a row's
     result is the same bits at any batch size, eager or compiled, and Q/K/V concatenated give
-    the separate calls' bits. oneDNN's, whose activations are quantized to about 14 bits,
-    stays within bfloat16's rounding of `_weight_int8pack_mm`'s bfloat16 activations, at 8-bit
-    activations (VNNI) and at the 7 bits every CPU sums exactly."""
+    the separate calls' bits. oneDNN's and ours, whose activations are quantized to about 14
+    bits, stay within bfloat16's rounding of `_weight_int8pack_mm`'s bfloat16 activations, at
+    8-bit activations (VNNI) and at the 7 bits every CPU sums exactly."""
     g = torch.Generator().manual_seed(0)
     mods = tuple(Int8Linear.from_float(torch.randn(n, 96, generator=g), torch.randn(n, generator=g)) for n in (40, 8))
     x = torch.randn(70, 96, generator=g) * 3
@@ -119,7 +119,11 @@ def test_int8_rows_are_row_independent_and_concatenate(onednn):
     cat = Int8Linear.cat(mods)
     reference = cat(x)  # `_weight_int8pack_mm`
     sliced = cat.rows(40, 48)
-    if onednn:
+    if onednn == "native":
+        if not all(m.pack_native() for m in (*mods, cat, sliced)):
+            pytest.skip(f"our int8 kernel needs AVX512-VNNI; this CPU is {cpu().kind}")
+        assert cat.q.numel() == 0 and cat.tiles.numel() == 48 * 96  # the rows live in the tiles alone
+    elif onednn:
         if onednn > cpu().head_activation_bits:
             pytest.skip(f"8-bit activations need VNNI; this CPU is {cpu().kind}")
         if not all(m.pack_for_onednn(onednn) for m in (*mods, cat, sliced)):

@@ -23,7 +23,8 @@ def test_a_k_quant_file_runs_packed_in_its_own_bytes(qwen_packed):
     assert Int4Linear in kinds  # the Q4_K tensors, as int4 groups
     assert not any(isinstance(p, torch.nn.Linear) for p in m.modules())  # no float matrix left
     assert isinstance(m.embed_tokens, Int8Embedding) and isinstance(m.lm_head, Int8Rows)
-    assert m.lm_head.q.numel() == 0 and m.lm_head.packed_bytes > 0  # the untied head: oneDNN's copy alone
+    head = m.lm_head  # untied: its rows live in the packed form alone (our tiles or oneDNN's copy)
+    assert head.q.numel() == 0 and head.is_packed
     assert m.weight_bytes() <= 1.3 * qwen_packed.source.stat().st_size, m.weight_bytes()
 
 

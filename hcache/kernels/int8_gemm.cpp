@@ -1,0 +1,148 @@
+// Unsigned 8-bit activations times signed 8-bit weight rows with AVX512-VNNI (`vpdpbusd`),
+// for the few activation rows of a decode step.
+//
+// A step of a larger model is bound by streaming its weights; oneDNN's u8s8 GEMM keeps its
+// panels for many rows and streams them at about half of what the memory gives at one row.
+// Here the weights lie in tiles of 16 output rows by 4 inputs (`pack`), so one 64-byte load
+// feeds one `vpdpbusd` per activation row, against a broadcast of that row's 4 bytes, and
+// a tile's 16 sums land in the 16 lanes of one register: no reductions across lanes. Each
+// output is `(sum(a * w) - zero * sum(w)) * scale`, the integer part exact, so the result
+// does not depend on the rows beside it, the threads, or the blocking.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t LANES = 16;  // output rows per tile
+constexpr int NR = 4;          // tiles a micro-kernel streams at once
+constexpr int MR_MAX = 6;      // activation rows it holds: NR * MR_MAX accumulators
+constexpr int64_t AHEAD = 512;  // bytes of each tile's stream prefetched ahead of use
+constexpr int64_t ACT_BLOCK = 256 * 1024;  // bytes of activation rows a thread keeps in L2
+
+// `w` [N, K] int8 -> [ceil(N/16), K/4, 16, 4]: tile t, step k holds rows 16t..16t+15 at
+// inputs 4k..4k+3 (missing rows zero); and each row's sum, for the zero point.
+std::tuple<at::Tensor, at::Tensor> pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "pack: int8 [N, K] expected");
+  const int64_t n = w.size(0), k = w.size(1), tiles = (n + LANES - 1) / LANES;
+  TORCH_CHECK(k % 4 == 0, "pack: K must be a multiple of 4, got ", k);
+  at::Tensor wc = w.contiguous();
+  at::Tensor out = at::zeros({tiles, k / 4, LANES, 4}, w.options());
+  at::Tensor sums = wc.sum(1, false, at::kInt);
+  const int8_t* src = wc.data_ptr<int8_t>();
+  int8_t* dst = out.data_ptr<int8_t>();
+  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      for (int64_t r = 0; r < LANES && t * LANES + r < n; ++r) {
+        const int8_t* row = src + (t * LANES + r) * k;
+        int8_t* base = dst + t * k * LANES + r * 4;
+        for (int64_t s = 0; s < k / 4; ++s) std::memcpy(base + s * LANES * 4, row + s * 4, 4);
+      }
+  });
+  return {out, sums};
+}
+
+// rows m0..m0+MR of `a` against tiles t0..t0+nt (nt <= NR), written to `out`
+template <int MR>
+void micro(const uint8_t* a, int64_t k, const int8_t* w, int64_t t0, int nt, int64_t n, const int32_t* comp,
+           const uint16_t* scale, int32_t zero, float* out) {
+  const int64_t steps = k / 4, tile = k * LANES;
+  __m512i acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_si512();
+  const int8_t* wt[NR];
+  for (int j = 0; j < NR; ++j) wt[j] = w + (t0 + std::min(j, nt - 1)) * tile;
+  for (int64_t s = 0; s < steps; ++s) {
+    __m512i wv[NR];
+    for (int j = 0; j < NR; ++j) {
+      if (j < nt) {
+        _mm_prefetch(reinterpret_cast<const char*>(wt[j] + s * 64 + AHEAD), _MM_HINT_T0);
+        wv[j] = _mm512_loadu_si512(wt[j] + s * 64);
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      int32_t four;
+      std::memcpy(&four, a + m * k + s * 4, 4);
+      const __m512i av = _mm512_set1_epi32(four);
+      for (int j = 0; j < NR; ++j)
+        if (j < nt) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], av, wv[j]);
+    }
+  }
+  for (int j = 0; j < nt; ++j) {
+    const int64_t r0 = (t0 + j) * LANES, left = std::min<int64_t>(LANES, n - r0);
+    const __mmask16 mask = left == LANES ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __m512i zc = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(mask, comp + r0), _mm512_set1_epi32(zero));
+    // bfloat16 scales: the upper half of a float32
+    const __m512i sb = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, scale + r0));
+    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(sb, 16));
+    for (int m = 0; m < MR; ++m) {
+      const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][j], zc)), sc);
+      _mm512_mask_storeu_ps(out + m * n + r0, mask, f);
+    }
+  }
+}
+
+template <int MR>
+void rows(const uint8_t* a, int64_t k, const int8_t* w, int64_t t0, int nt, int64_t n, const int32_t* comp,
+          const uint16_t* scale, int32_t zero, float* out, int left) {
+  if constexpr (MR > 1) {
+    if (left < MR) return rows<MR - 1>(a, k, w, t0, nt, n, comp, scale, zero, out, left);
+  }
+  micro<MR>(a, k, w, t0, nt, n, comp, scale, zero, out);
+}
+
+// `(a - zero) @ w.T * scale`: a uint8 [M, K], w packed by `pack` for N rows, comp its row
+// sums, scale bfloat16 [N] -> float32 [M, N]
+at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& comp, const at::Tensor& scale,
+                   int64_t zero) {
+  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == at::kByte && a.is_contiguous(), "int8_mm: uint8 [M, K] rows");
+  TORCH_CHECK(comp.is_contiguous() && scale.is_contiguous() && w.is_contiguous(), "int8_mm: contiguous operands");
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == LANES && w.size(3) == 4 && w.scalar_type() == at::kChar, "int8_mm: packed weights");
+  const int64_t m = a.size(0), k = a.size(1), n = scale.size(0), tiles = w.size(0);
+  TORCH_CHECK(w.size(1) * 4 == k && (n + LANES - 1) / LANES == tiles && comp.size(0) == n, "int8_mm: shapes differ");
+  TORCH_CHECK(comp.scalar_type() == at::kInt && scale.scalar_type() == at::kBFloat16, "int8_mm: int32 sums, bfloat16 scales");
+  at::Tensor out = at::empty({m, n}, a.options().dtype(at::kFloat));
+  const uint8_t* ap = a.data_ptr<uint8_t>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const int32_t* cp = comp.data_ptr<int32_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
+  float* op = out.data_ptr<float>();
+  const int64_t groups = (tiles + NR - 1) / NR;
+  // many rows (a prefill): a block of them stays in L2 while a thread's tiles stream past
+  const int64_t block = std::max<int64_t>(MR_MAX, (ACT_BLOCK / k) / MR_MAX * MR_MAX);
+  at::parallel_for(0, groups, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r0 = 0; r0 < m; r0 += block)
+      for (int64_t g = b; g < e; ++g) {
+        const int nt = int(std::min<int64_t>(NR, tiles - g * NR));
+        for (int64_t r = r0; r < std::min(m, r0 + block); r += MR_MAX)
+          rows<MR_MAX>(ap + r * k, k, wp, g * NR, nt, n, cp, sp, int32_t(zero), op + r * n,
+                       int(std::min<int64_t>(MR_MAX, m - r)));
+      }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hcache_int8, lib) {
+  lib.def("pack(Tensor w) -> (Tensor, Tensor)");
+  lib.def("int8_mm(Tensor a, Tensor w, Tensor comp, Tensor scale, int zero) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hcache_int8, CPU, lib) {
+  lib.impl("pack", &pack);
+  lib.impl("int8_mm", &int8_mm);
+}
+
+TORCH_LIBRARY_IMPL(hcache_int8, Meta, lib) {
+  lib.impl("int8_mm", [](const at::Tensor& a, const at::Tensor&, const at::Tensor&, const at::Tensor& scale, int64_t) {
+    return at::empty({a.size(0), scale.size(0)}, a.options().dtype(at::kFloat));
+  });
+}

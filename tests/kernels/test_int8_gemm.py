@@ -1,0 +1,100 @@
+"""Our AVX512-VNNI int8 kernel (hcache/kernels/int8_gemm.cpp) bit for bit against its
+integer reference, at the shapes that take each of its remainder paths."""
+
+import pytest
+import torch
+
+from hcache.kernels import native
+from hcache.kernels.cpu import cpu
+from hcache.model.quant import Int8Linear, Int8Rows
+
+op = native.int8_gemm()
+pytestmark = pytest.mark.skipif(op is None, reason=f"needs AVX512-VNNI and a C++ compiler; this CPU is {cpu().kind}")
+
+
+def reference(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zero: int) -> torch.Tensor:
+    """Exact integer sums, then the kernel's one rounding: int32 to float32, times the scale."""
+    return ((a.int() - zero) @ w.int().T).float() * scales.float()
+
+
+def operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(0, 256, (m, k), dtype=torch.uint8, generator=g)
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    scales = (torch.rand(n, generator=g) * 0.1).bfloat16()
+    return a, w, scales
+
+
+@pytest.mark.parametrize(
+    "m,n,k",
+    [
+        (1, 16, 4),  # one tile, one step
+        (2, 17, 32),  # a decode step's two passes; a tile of one row
+        (7, 65, 96),  # rows past a block of 6; tiles past a group of 4
+        (13, 300, 64),  # an LM head's shape class: a partial last tile and group
+        (64, 48, 4864),  # batch 32's two passes over a down projection's K
+        (300, 40, 896),  # a prefill chunk
+    ],
+)
+def test_every_output_is_its_integer_reference_bit_for_bit(m, n, k):
+    a, w, scales = operands(m, n, k, m * 1000 + n)
+    tiles, sums = native.int8_pack(w)
+    assert torch.equal(sums, w.int().sum(1))
+    for zero in (128, 64):
+        assert torch.equal(op(a, tiles, sums, scales, zero), reference(a, w, scales, zero)), zero
+
+
+def test_extreme_values_sum_exactly():
+    """255 * -128 at every input of the longest K: the sums stay inside int32."""
+    m, n, k = 2, 32, 4864
+    a = torch.full((m, k), 255, dtype=torch.uint8)
+    w = torch.full((n, k), -128, dtype=torch.int8)
+    w[1::2] = 127
+    scales = torch.ones(n).bfloat16()
+    tiles, sums = native.int8_pack(w)
+    assert torch.equal(op(a, tiles, sums, scales, 0), reference(a, w, scales, 0))
+
+
+def test_a_row_has_the_same_bits_alone_in_any_batch_and_on_any_threads():
+    a, w, scales = operands(70, 200, 96, 3)
+    tiles, sums = native.int8_pack(w)
+    whole = op(a, tiles, sums, scales, 128)
+    for i in (0, 6, 69):
+        assert torch.equal(op(a[i : i + 1], tiles, sums, scales, 128), whole[i : i + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(op(a, tiles, sums, scales, 128), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_operands_are_refused():
+    a, w, scales = operands(2, 32, 64, 5)
+    tiles, sums = native.int8_pack(w)
+    with pytest.raises(RuntimeError, match="shapes differ"):
+        op(a[:, :60].contiguous(), tiles, sums, scales, 128)
+    with pytest.raises(RuntimeError, match="multiple of 4"):
+        native.int8_pack(w[:, :30].contiguous())
+
+
+def test_a_tied_embedding_looks_its_rows_up_in_the_tiles():
+    g = torch.Generator().manual_seed(1)
+    rows = Int8Rows.from_float(torch.randn(100, 64, generator=g))
+    tokens = torch.tensor([[0, 17, 99], [15, 16, 3]])
+    want = rows.lookup(tokens, torch.float32)
+    assert rows.pack_native() and rows.q.numel() == 0
+    assert torch.equal(rows.lookup(tokens, torch.float32), want)
+
+
+def test_a_linear_on_the_kernel_equals_it_on_onednn():
+    """The same rows and activations through our tiles and through oneDNN's copy: both sum
+    exactly and scale once, so the logits are the same bits."""
+    if not cpu().int8_vnni or not torch.backends.mkldnn.is_available():
+        pytest.skip(f"oneDNN's 8-bit activations need VNNI; this CPU is {cpu().kind}")
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(96, 128, generator=g), torch.randn(96, generator=g)
+    ours, theirs = Int8Linear.from_float(w, b), Int8Linear.from_float(w, b)
+    assert ours.pack_native() and theirs.pack_for_onednn()
+    x = torch.randn(9, 128, generator=g) * 3
+    assert torch.equal(ours(x), theirs(x))
