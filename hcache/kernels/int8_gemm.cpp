@@ -141,8 +141,9 @@ TORCH_LIBRARY_IMPL(hcache_int8, CPU, lib) {
   lib.impl("int8_mm", &int8_mm);
 }
 
+// shapes only, for tracing: symbolic, so a compiled graph serves every row count
 TORCH_LIBRARY_IMPL(hcache_int8, Meta, lib) {
   lib.impl("int8_mm", [](const at::Tensor& a, const at::Tensor&, const at::Tensor&, const at::Tensor& scale, int64_t) {
-    return at::empty({a.size(0), scale.size(0)}, a.options().dtype(at::kFloat));
+    return at::empty_symint({a.sym_size(0), scale.sym_size(0)}, a.options().dtype(at::kFloat));
   });
 }

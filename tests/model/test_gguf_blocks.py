@@ -137,6 +137,8 @@ def test_int8_rows_are_row_independent_and_concatenate(onednn):
     assert torch.equal(y[7], cat.bias)
     compiled = torch.compile(lambda t: cat(t), dynamic=True, fullgraph=True)
     with torch.inference_mode():
-        for n in (2, 9, 70):
-            assert torch.equal(compiled(x[:n]), y[:n]), n
+        assert torch.equal(compiled(x[:2]), y[:2])
+        with torch.compiler.set_stance("fail_on_recompile"):  # one graph serves every batch
+            for n in (9, 70):
+                assert torch.equal(compiled(x[:n]), y[:n]), n
     assert ((y - reference).abs() <= 2**-7 * reference.abs().amax(1, keepdim=True)).all()
