@@ -93,8 +93,9 @@ def parser(base: Config | None = None) -> argparse.ArgumentParser:
         p.add_argument("--target", default="localhost:50051", help="HOST:PORT of a running server")
         p.add_argument("--api-key", default=os.environ.get("HCACHE_API_KEY"), help="(default: $HCACHE_API_KEY)")
         p.add_argument("--tls-ca", help="PEM root certificate: connect with TLS")
-    bench = sub.add_parser("bench", help="benchmarks (storage, restore, engine, serve, cluster, rag)")
-    bench.add_argument("what", choices=["storage", "restore", "engine", "serve", "soak", "peers", "cluster", "rag"])
+    bench = sub.add_parser("bench", help="benchmarks (storage, restore, engine, serve, cluster, rag, int8)")
+    kinds = ["storage", "restore", "engine", "serve", "soak", "peers", "cluster", "rag", "int8"]
+    bench.add_argument("what", choices=kinds)
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
     return ap
 

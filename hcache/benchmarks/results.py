@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from hcache.benchmarks.engine import section as engine_section
+from hcache.benchmarks.int8 import section as int8_section
 from hcache.benchmarks.rag import section as rag_section
 from hcache.benchmarks.results_gpu import gpu_section
 from hcache.benchmarks.results_peers import fmt, kind_section, peers_section
@@ -17,6 +18,7 @@ COMMANDS = """\
 make bench-peers          # builds llama-cpp-python into .venv (once, ~12 min), runs bench/peers.py
 make bench                # bench-peers + the storage, restore, engine and serve benchmarks, then this page
 .venv/bin/python bench/rag.py --quality-queries 16     # questions over stored documents, by context mode
+.venv/bin/python bench/int8.py --model qwen2.5-0.5b    # the int8 kernels on a model's int8 matrices
 .venv/bin/python bench/peers.py --dirs /path/on/nvme    # one benchmark alone; --help for options
 .venv/bin/python bench/peers.py --device cuda --dtype bfloat16 --skip llama.cpp transformers \\
     --out bench/results/peers_gpu_bfloat16.json          # hcache alone on a GPU
@@ -41,6 +43,9 @@ def render(results: Path, bench_dir: Path) -> str:
             data = json.loads(other.read_text())
             lines += kind_section(data, other.stem, data["args"].get("model", other.stem))
     lines += gpu_section(results)
+    int8 = _load(results, "int8")
+    if int8 is not None:
+        lines += int8_section(int8)
     eng = _load(results, "engine")
     if eng is not None:
         lines += engine_section(eng)
