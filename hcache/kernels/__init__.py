@@ -5,9 +5,9 @@ import os
 import torch
 
 from hcache.config import hcache_home
+from hcache.kernels.cpu import COMPILE
 
-# HCACHE_COMPILE=0: no kernel is compiled (inductor's or ours); every op runs its eager or library form
-COMPILE = os.environ.get("HCACHE_COMPILE", "1") != "0"
+__all__ = ["COMPILE"]
 
 
 def _pin_compile_cache() -> None:

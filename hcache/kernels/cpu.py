@@ -36,6 +36,9 @@ _ONEDNN_LEVELS = (
 )
 _X86 = ("x86_64", "AMD64", "i686", "i386")
 
+# HCACHE_COMPILE=0: no kernel is compiled (inductor's or ours); every op runs its eager or library form
+COMPILE = os.environ.get("HCACHE_COMPILE", "1") != "0"
+
 
 def _onednn_allows(level: str) -> bool:
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "ALL")).upper()
@@ -90,8 +93,6 @@ class Cpu:
 
     def paths(self) -> dict[str, str]:
         """The kernel each hot path runs here, by name."""
-        from hcache.kernels import COMPILE
-
         library = "onednn-int8" if torch.backends.mkldnn.is_available() else "int8pack"
         int8 = "native-vnni" if COMPILE and self.vnni else f"{library}-a{self.head_activation_bits}"
         return {

@@ -137,10 +137,17 @@ class DecoderModel(nn.Module, ABC):
 
     def fingerprint(self) -> str:
         """Identifies what stored state depends on: geometry, dtype and the weights themselves
-        (a strided sample of every tensor, so loading a 7B model does not hash 14 GB)."""
+        (a strided sample of every tensor, so loading a 7B model does not hash 14 GB). An int8
+        matrix counts by its scales and bias alone: its rows live in whichever packed form
+        this CPU runs (our tiles, oneDNN's opaque copy, or the rows), which give the same
+        bits, so replicas on other CPU kinds share its sessions."""
         h = hashlib.sha256(json.dumps(self.cfg.fingerprint_fields(), sort_keys=True).encode())
         h.update(str(self.dtype).encode())
+        packed = [n for n, m in self.named_modules() if isinstance(m, Int8Linear)]
+        int8 = {f"{n}.{b}" for n in packed for b in ("q", "tiles", "sums")}
         for name, t in sorted(self.state_dict().items()):
+            if name in int8:
+                continue
             flat = t.detach().reshape(-1)
             sample = flat[:: max(1, flat.numel() // 65536)].contiguous().cpu()
             h.update(name.encode())

@@ -15,9 +15,10 @@ from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
+from hcache.kernels import native
 from hcache.kernels.cpu import cpu
 from hcache.model.gguf_blocks import INT4_TYPES, PACKED_TYPES, packed_linear, unpermute
-from hcache.model.loader import dequantized
+from hcache.model.loader import dequantized, load
 from hcache.model.quant import Int4Linear, Int8Linear
 
 ROWS, COLS = 48, 512
@@ -136,9 +137,26 @@ def test_int8_rows_are_row_independent_and_concatenate(onednn):
         assert torch.equal(cat(x[:n]), y[:n])
     assert torch.equal(y[7], cat.bias)
     compiled = torch.compile(lambda t: cat(t), dynamic=True, fullgraph=True)
-    with torch.inference_mode():
+    # the default stance (a server started in this process leaves `eager_on_recompile`)
+    with torch.inference_mode(), torch.compiler.set_stance("default"):
         assert torch.equal(compiled(x[:2]), y[:2])
         with torch.compiler.set_stance("fail_on_recompile"):  # one graph serves every batch
             for n in (9, 70):
                 assert torch.equal(compiled(x[:n]), y[:n]), n
     assert ((y - reference).abs() <= 2**-7 * reference.abs().amax(1, keepdim=True)).all()
+
+
+def test_the_fingerprint_does_not_depend_on_the_packed_form(tiny_folder, monkeypatch):
+    """Our tiles, oneDNN's copy and the plain rows give the same bits, so a session stored by
+    a replica on one CPU kind restores on another: the fingerprint names none of them."""
+    path = str(tiny_folder("llama_gqa"))
+    forms = {}
+    forms["best"] = load(path, weights="packed").model
+    monkeypatch.setattr(native, "int8_gemm", lambda: None)
+    forms["onednn"] = load(path, weights="packed").model
+    monkeypatch.setattr(Int8Linear, "pack", lambda self, keep_rows=False: False)
+    forms["rows"] = load(path, weights="packed").model
+    assert forms["rows"].lm_head.q.numel() and not forms["rows"].lm_head.is_packed
+    assert len({m.fingerprint() for m in forms.values()}) == 1
+    other = load(str(tiny_folder("llama_mha")), weights="packed").model
+    assert other.fingerprint() != forms["best"].fingerprint()
