@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +17,7 @@ from hcache.benchmarks import measures, report
 from hcache.kernels.cpu import cpu
 from hcache.model.loader import load
 from hcache.model.quant import Int8Linear
+from hcache.restore.profiler import median_ms
 
 KERNELS = ("ours", "onednn", "int8pack")
 
@@ -43,16 +41,6 @@ def _matrices(dims: list[tuple[int, int]], kernel: str) -> list[Int8Linear] | No
             return None
         out.append(lin)
     return out
-
-
-def _median_ms(fn: Callable[[], None], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def run(model: str, tokens: list[int], repeats: int, int8pack_max: int) -> dict[str, Any]:
@@ -83,7 +71,7 @@ def run(model: str, tokens: list[int], repeats: int, int8pack_max: int) -> dict[
                     for lin in mats:
                         lin(xs[lin.in_features])
 
-            ms = _median_ms(step, repeats)
+            ms = median_ms(step, repeats)
             res["rows"].append({"kernel": kernel, "tokens": t, "ms": ms, "weights_gbps": step_bytes / ms / 1e6})
             print(res["rows"][-1], flush=True)
         del mats

@@ -4,8 +4,6 @@ attention over a long context against this CPU's matmul peak."""
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -208,10 +206,4 @@ def stream_read_gbps(mb: int = 512, repeats: int = 9) -> float:
     """The machine's streaming read rate, GB/s: a float32 sum over `mb` MB on the bench's
     threads, median of `repeats` after one to fault the pages in. Decode's bound."""
     x = torch.ones(mb * 2**20 // 4)
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t)
-    return x.numel() * 4 / statistics.median(times) / 1e9
+    return x.numel() * 4 / median_ms(x.sum, repeats) / 1e6

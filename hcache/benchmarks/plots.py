@@ -1,4 +1,4 @@
-"""RESULTS.md's plots of the peers benchmark (matplotlib, written next to the page)."""
+"""Plots of the benchmarks: RESULTS.md's of the peers benchmark, the serving trace's (matplotlib)."""
 
 from __future__ import annotations
 
@@ -66,3 +66,29 @@ def peers_plots(peers: dict, out: Path) -> list[str]:
     fig.savefig(out / "decode.png", dpi=110)
     names.append("decode.png")
     return names
+
+
+def serve_cdfs(rows: list[dict], path: Path) -> None:
+    """The serving trace's TTFT and TBT distributions, a line per restore method (and API)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for row in rows:
+        for ax, key in zip(axes, ("ttft_ms", "tbt_ms"), strict=True):
+            xs = sorted(row[key])
+            if xs:
+                api = row.get("api", "grpc")
+                label = row["method"] if api == "grpc" else f"{row['method']} ({api})"
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
+    for ax, title in zip(axes, ("TTFT", "time between tokens"), strict=True):
+        ax.set_xscale("log")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of turns" if title == "TTFT" else "fraction of tokens")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

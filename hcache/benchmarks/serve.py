@@ -32,6 +32,7 @@ from pathlib import Path
 import grpc
 
 from hcache.benchmarks import report
+from hcache.benchmarks.plots import serve_cdfs
 from hcache.benchmarks.trace import SessionPlan, make_trace, play
 from hcache.client import Client, wait_for_server
 from hcache.storage.dirs import ensure_dirs
@@ -248,31 +249,6 @@ def summarize(method: str, r: Result, api: str = "grpc") -> dict:
     }
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for row in rows:
-        for ax, key in zip(axes, ("ttft_ms", "tbt_ms"), strict=True):
-            xs = sorted(row[key])
-            if xs:
-                api = row.get("api", "grpc")
-                label = row["method"] if api == "grpc" else f"{row['method']} ({api})"
-                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
-    for ax, title in zip(axes, ("TTFT", "time between tokens"), strict=True):
-        ax.set_xscale("log")
-        ax.set_xlabel("ms")
-        ax.set_ylabel("fraction of turns" if title == "TTFT" else "fraction of tokens")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hcache bench serve", description=__doc__)
     ap.add_argument("--methods", nargs="+", default=["auto", "kv", "recompute"])
@@ -365,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         r["ttft_p50_vs_grpc"] = r["ttft_p50_ms"] / grpc_row["ttft_p50_ms"]
     png = Path(args.out).with_suffix(".png")
     png.parent.mkdir(parents=True, exist_ok=True)
-    plot(rows, png)
+    serve_cdfs(rows, png)
     data = {"args": vars(args), "cpu": cpu_name(), "rows": rows, "plot": str(png)}
 
     def table() -> None:
