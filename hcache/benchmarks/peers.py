@@ -145,7 +145,7 @@ def hcache_rows(
     more = [b for b in args.batches if b > 1]
     decode = _decode_variant(lm, prof, dirs, doc, more, args) if more else {}
     decode |= {"tbt_b1_ms": statistics.median(b1["on"]), "tbt_b1_saver_off_ms": statistics.median(b1["off"])}
-    decode |= {"tbt_b1_rounds_ms": b1["on"], "tbt_b1_saver_off_rounds_ms": b1["off"]} | _memory(lm)
+    decode |= {"tbt_b1_rounds_ms": b1["on"], "tbt_b1_saver_off_rounds_ms": b1["off"]} | _memory(lm, args.device)
     decode["host_ms_b1"] = statistics.median(b1["host"])
     decode["weights"] = lm.model.weights  # what `auto` resolved to
     decode["kv_dtype"] = str(resident_kv_dtype(args.kv_dtype, lm.model)).removeprefix("torch.")
@@ -180,14 +180,14 @@ def _decode_variant(
         gc.collect()  # its block pool (reference cycles hold it): the next engine's must not add to the peak RSS
 
 
-def _memory(lm: Any) -> dict[str, float]:
+def _memory(lm: Any, device: str) -> dict[str, float]:
     """Resident weights (`DecoderModel.weight_bytes`) against the GGUF file, the bytes a
     decode step streams with the machine's streaming read rate (its bound), and the
     process's peak RSS so far (before llama.cpp loads)."""
     return {
         "weights_mb": lm.model.weight_bytes() / 1e6,
         "step_weights_mb": lm.model.step_bytes() / 1e6,
-        "stream_read_gbps": measures.stream_read_gbps(),
+        "stream_read_gbps": measures.stream_read_gbps(device),
         "gguf_mb": lm.source.stat().st_size / 1e6,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3,
     }
@@ -278,12 +278,13 @@ def main(argv: list[str] | None = None) -> int:
     # before llama.cpp: its OpenMP teams stay in this process, and with more team threads
     # than cores every parallel region of ours waits tens of microseconds for a sleeping one
     cfg = read_config(args.model)
-    data["attention"] = measures.attention_rates(
-        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, [c for c in args.contexts if c > TURN], TURN
-    )
-    data["attention_kernels"] = measures.attention_kernels(
-        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max(args.contexts), TURN
-    )
+    if torch.device(args.device).type == "cpu":  # the CPU's attention kernels, beside the rows
+        data["attention"] = measures.attention_rates(
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, [c for c in args.contexts if c > TURN], TURN
+        )
+        data["attention_kernels"] = measures.attention_kernels(
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max(args.contexts), TURN
+        )
     if "hcache" in args.skip and "llama.cpp" not in args.skip:  # llama.cpp alone, in this process
         data["rows"] += llama_cpp_rows(doc, turn, args.contexts, scratch, args.threads, args.model)
         data["decode"]["llama.cpp"] = llama_cpp_decode(

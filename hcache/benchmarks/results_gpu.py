@@ -29,7 +29,7 @@ def gpu_section(results: Path) -> list[str]:
         m, a, dec = d["machine"], d["args"], d["decode"]["hcache"]
         gpu = m.get("gpu") or "a CUDA GPU (its name was not recorded by this run)"
         lines += [
-            f"### {a['dtype']} on {gpu}",
+            f"### {a.get('model', 'default')} in {a['dtype']} on {gpu}",
             "",
             f"Host: {m['cpu']}, {m['cores']} cores; Python {m['python']}, torch {m['torch']}; run {m['date']}; "
             f"{dec['weights']} weights, a {dec['kv_dtype']} KV cache. Raw results: `bench/results/{f.name}`.",
@@ -52,5 +52,19 @@ def gpu_section(results: Path) -> list[str]:
             + f"; batch-1 TBT with the saver off {dec['tbt_b1_saver_off_ms']:.2f} ms. Times in ms; the "
             "prefill column includes storing the context's chunks.",
             "",
+            *_stream(dec),
         ]
     return lines
+
+
+def _stream(dec: dict) -> list[str]:
+    """The batch-1 step's weight bytes over its time, against the GPU's streaming read."""
+    if not dec.get("stream_read_gbps"):
+        return []
+    gbps = dec["step_weights_mb"] / dec["tbt_b1_ms"]
+    return [
+        f"Weight stream: a batch-1 step reads {dec['step_weights_mb']:.1f} MB of weights, {gbps:.0f} GB/s, "
+        f"{gbps / dec['stream_read_gbps']:.2f} of the GPU's streaming read ({dec['stream_read_gbps']:.0f} GB/s, "
+        "a float32 sum over 4 GB, median).",
+        "",
+    ]
