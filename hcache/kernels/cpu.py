@@ -98,7 +98,7 @@ class Cpu:
         return {
             "cpu": self.kind,
             "aten": self.aten.lower(),
-            "int4_linear": f"int4pack-{self.aten.lower()}",
+            "int4_linear": "native-vnni" if COMPILE and self.vnni else f"int4pack-{self.aten.lower()}",
             "int8_linear": int8,
             "lm_head": int8,
             "attention": self.attention,

@@ -8,6 +8,9 @@ widen to float32, oneDNN's fused graph rounds the scores to bfloat16 (bench/RESU
 `int8_gemm`: few rows of uint8 activations times int8 weight rows with AVX512-VNNI
 (`int8_gemm.cpp`): oneDNN's u8s8 GEMM streams a decode step's weights at about half the
 machine's read rate.
+`int4_gemm`: the same for 4-bit weight groups (`int4_gemm.cpp`): torch's int4 kernel widens
+the weights to float32, which is FMA-bound at a batch's rows and streams at under half the
+read rate at one.
 
 Each is None when the CPU lacks its instructions (`Cpu.bf16`, `Cpu.vnni`), when building
 fails (logged once), or with `HCACHE_COMPILE=0`: callers keep their library path."""
@@ -33,6 +36,7 @@ _lock = threading.Lock()
 _UNBUILT = object()
 _attention: Callable[..., torch.Tensor] | object | None = _UNBUILT
 _int8: Callable[..., torch.Tensor] | object | None = _UNBUILT
+_int4: Callable[..., torch.Tensor] | object | None = _UNBUILT
 
 
 def attention_bf16() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None:
@@ -56,6 +60,25 @@ def int8_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
             if _int8 is _UNBUILT:
                 _int8 = _build("int8_gemm", "-mavx512vnni", "hcache_int8.int8_mm") if COMPILE and cpu().vnni else None
     return _int8  # type: ignore[return-value]
+
+
+def int4_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """`op(x, tiles, scale_zeros) -> x @ w.T`, float32 `[M, N]`, for float32 `x [M, K]` (each
+    row quantized to two int8 passes inside, as `quant.int8_rows_mm` does) and the int4
+    groups `w = (q - 8) * scale + zero` of `[N, K]`, the nibbles in `int4_pack`'s tiles, scale
+    and zero bfloat16 `[K / 32, N, 2]`."""
+    global _int4
+    if _int4 is _UNBUILT:
+        with _lock:
+            if _int4 is _UNBUILT:
+                op = "hcache_int4.int4_linear"
+                _int4 = _build("int4_gemm", "-mavx512vnni", op) if COMPILE and cpu().vnni else None
+    return _int4  # type: ignore[return-value]
+
+
+def int4_pack(q: torch.Tensor) -> torch.Tensor:
+    """uint8 nibbles `[N, K]` (K a multiple of 32) into `int4_gemm`'s tiles."""
+    return torch.ops.hcache_int4.pack(q)
 
 
 def int8_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

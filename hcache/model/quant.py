@@ -1,10 +1,10 @@
 """Quantized weights on torch's packed low-bit CPU kernels.
 
-- `Int4Linear`: group-wise asymmetric int4 (groups of 32 along the input) on
-  `aten._weight_int4pack_mm_for_cpu`, which computes `(q - 8) * scale + zero` per group.
+- `Int4Linear`: group-wise asymmetric int4 (groups of 32 along the input), `(q - 8) * scale
+  + zero` per group, on our AVX512-VNNI kernel or `aten._weight_int4pack_mm_for_cpu`.
   GGUF's Q4_1 blocks (32 weights, a scale d and a minimum m: `q * d + m`) map onto it
-  exactly as `scale = d`, `zero = m + 8 d`; the kernel keeps scale and zero in the
-  activations' dtype (bfloat16), their only rounding.
+  exactly as `scale = d`, `zero = m + 8 d`; scale and zero stay bfloat16 (what torch's
+  kernel takes), their only rounding.
 - `Int8Linear`: per-row symmetric int8 on oneDNN's int8 GEMM (`_weight_int8pack_mm` without
   oneDNN), for GGUF's 5- to 8-bit blocks (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0), whose 32-weight
   scales no packed kernel takes: each row is requantized to int8 at its own scale, half a
@@ -50,10 +50,23 @@ def _cat_bias(mods: tuple[nn.Module, ...]) -> torch.Tensor | None:
 
 
 class Int4Linear(_Bf16Scales):
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None = None):
+    """`x @ w.T + bias` for int4 groups of 32 inputs, `w = (q - 8) * scale + zero`. Where our
+    AVX512-VNNI kernel runs (`kernels.native.int4_gemm`) the nibbles live in its tiles and the
+    activations are quantized a row at a time in two int8 passes (`int8_rows_mm`); elsewhere
+    in torch's int4 form, on its kernel with bfloat16 activations. Both compute each output
+    row from its own activation row, and each output column alone."""
+
+    def __init__(
+        self,
+        packed: torch.Tensor | None,
+        scales_zeros: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        tiles: torch.Tensor | None = None,
+    ):
         super().__init__()
-        self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 2
-        self.register_buffer("packed", packed)
+        self.in_features, self.out_features = scales_zeros.shape[0] * GROUP, scales_zeros.shape[1]
+        self.register_buffer("packed", packed)  # torch's int4 form
+        self.register_buffer("tiles", tiles)  # or our kernel's
         self.register_buffer("scales_zeros", scales_zeros)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
@@ -62,27 +75,34 @@ class Int4Linear(_Bf16Scales):
         cls, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None = None
     ) -> Int4Linear:
         """q `[N, K]` in 0..15, scale and minimum `[N, K/32]`: weight = q * scale + minimum."""
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         zero = minimum.float() + 8 * scale.float()
         sz = torch.stack([scale.float().t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        if native.int4_gemm() is not None:
+            return cls(None, sz, bias, tiles=native.int4_pack(q.to(torch.uint8)))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         return cls(packed, sz, bias)
 
     @classmethod
     def cat(cls, mods: tuple[Int4Linear, ...]) -> Int4Linear:
-        """One matrix of the modules' output rows, in order (the packed form is row-major in N,
-        the scales N-minor): the kernel computes each output column alone, so one call gives
-        the separate calls' bits."""
-        packed = torch.cat([m.packed for m in mods])
-        return cls(packed, torch.cat([m.scales_zeros for m in mods], dim=1), _cat_bias(mods))
+        """One matrix of the modules' output rows, in order (both packed forms are row-major
+        in N, the scales N-minor): the kernels compute each output column alone, so one call
+        gives the separate calls' bits. Our tiles hold 16 rows: every part but the last must
+        be whole tiles (`joins`)."""
+        sz, bias = torch.cat([m.scales_zeros for m in mods], dim=1), _cat_bias(mods)
+        if mods[0].tiles is None:
+            return cls(torch.cat([m.packed for m in mods]), sz, bias)
+        if any(m.out_features % 16 for m in mods[:-1]):
+            raise ValueError("int4 tiles concatenate only after whole tiles of 16 rows")
+        return cls(None, sz, bias, tiles=torch.cat([m.tiles for m in mods]))
 
     @staticmethod
     @functools.cache
     def joins(rows: int) -> bool:
         """Whether a matrix of `rows` output rows can stand before others in one packed
         matrix (`cat`, and `rows` views past it) with every part keeping its bits. The
-        kernel packs N in column blocks whose width is the ISA's, and a part but the last
+        kernels pack N in blocks of rows whose width is the ISA's, and a part but the last
         that is not whole blocks shifts the rest: a probe on random matrices answers."""
-        if rows % 16:  # the kernel packs no matrix of such rows
+        if rows % 16:  # neither kernel packs such a matrix to concatenate
             return False
         g = torch.Generator().manual_seed(0)
         a, b = (int4_from_float(torch.randn(n, 2 * GROUP, generator=g)) for n in (rows, 16))
@@ -92,13 +112,25 @@ class Int4Linear(_Bf16Scales):
 
     def rows(self, lo: int, hi: int) -> Int4Linear:
         """Output rows `lo..hi` as a module of their own, sharing the packed weights (the scales,
-        a 32nd of their size, are copied: the kernel takes them contiguous)."""
+        a 32nd of their size, are copied: the kernels take them contiguous). In our tiles `lo`
+        starts a tile; the rows of a last tile past `hi` are masked off."""
         bias = None if self.bias is None else self.bias[lo:hi]
-        return Int4Linear(self.packed[lo:hi], self.scales_zeros[:, lo:hi].contiguous(), bias)
+        sz = self.scales_zeros[:, lo:hi].contiguous()
+        if self.tiles is None:
+            return Int4Linear(self.packed[lo:hi], sz, bias)
+        if lo % 16:
+            raise ValueError(f"int4 tiles start every 16 rows, not at {lo}")
+        return Int4Linear(None, sz, bias, tiles=self.tiles[lo // 16 : (hi + 15) // 16])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # bfloat16 activations on either kernel (torch's takes nothing else): the graph's and
+        # eager code's float32 values can differ in their last bits, which bfloat16 rounds away
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros).to(x.dtype)
+        if self.tiles is not None:
+            y = torch.ops.hcache_int4.int4_linear(flat, self.tiles, self.scales_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
+        y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)

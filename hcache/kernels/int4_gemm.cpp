@@ -1,0 +1,247 @@
+// Float32 activations, quantized to two int8 passes, times 4-bit weight groups with AVX512-VNNI (`vpdpbusd`): the int4
+// linears of a decode step, a turn and a prefill.
+//
+// torch's int4 kernel widens each weight to float32 and multiplies with FMAs: at one row it
+// streams the weights at under half the machine's read rate, and at 32 rows it is bound by
+// the FMA rate. Here the weights lie in tiles of 16 output rows by 8 inputs (`pack`): one
+// 64-byte load holds two steps of 4 inputs (low and high nibbles), each feeding one
+// `vpdpbusd` per activation row, and a tile's 16 sums land in the 16 lanes of one register.
+// Per group of 32 inputs the integer sum is exact; it meets the group's scale and zero in
+// float32 (both products exact), and the groups add in input order. A result depends neither
+// on the rows beside it, the threads, nor the blocking.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t LANES = 16;   // output rows per tile
+constexpr int64_t GROUP = 32;   // inputs per scale and zero
+constexpr int NR = 2;           // tiles a micro-kernel streams at once
+constexpr int MR_MAX = 4;       // activation rows it holds: NR * MR_MAX int32 and float32 sums
+constexpr int64_t AHEAD = 512;  // bytes of each tile's stream prefetched ahead of use
+
+// `q` [N, K] in 0..15 -> uint8 [ceil(N/16), K/8, 16, 4]: tile t, pair p holds rows
+// 16t..16t+15, inputs 8p..8p+3 in the low nibbles and 8p+4..8p+7 in the high ones
+// (missing rows zero)
+at::Tensor pack(const at::Tensor& q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "pack: uint8 [N, K] nibbles expected");
+  const int64_t n = q.size(0), k = q.size(1), tiles = (n + LANES - 1) / LANES;
+  TORCH_CHECK(k % GROUP == 0, "pack: K must be a multiple of ", GROUP, ", got ", k);
+  TORCH_CHECK(q.max().item<int>() < 16, "pack: values past 15");
+  at::Tensor qc = q.contiguous();
+  at::Tensor out = at::zeros({tiles, k / 8, LANES, 4}, q.options());
+  const uint8_t* src = qc.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 64, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const uint8_t* row = src + i * k;
+      uint8_t* base = dst + (i / LANES) * k * LANES / 2 + (i % LANES) * 4;
+      for (int64_t p = 0; p < k / 8; ++p)
+        for (int j = 0; j < 4; ++j) base[p * LANES * 4 + j] = uint8_t(row[8 * p + j] | (row[8 * p + 4 + j] << 4));
+    }
+  });
+  return out;
+}
+
+struct Operands {
+  const int8_t* a;      // [M, K] activations
+  const int32_t* asum;  // [M, K / GROUP] each group's sum of them, times 8
+  const float* asumf;   // [M, K / GROUP] and that sum
+  const uint8_t* w;     // tiles
+  const uint32_t* sz;   // [K / GROUP, N] bfloat16 (scale, zero) pairs
+  float* out;           // [M, N]
+  int64_t k, n;
+};
+
+// rows r..r+MR against tiles t0..t0+nt (nt <= NR)
+template <int MR>
+void micro(const Operands& o, int64_t r, int64_t t0, int nt) {
+  const int64_t tile = o.k * LANES / 2, groups = o.k / GROUP;
+  const uint8_t* wt[NR];
+  for (int j = 0; j < NR; ++j) wt[j] = o.w + (t0 + std::min(j, nt - 1)) * tile;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  __mmask16 mask[NR];
+  for (int j = 0; j < NR; ++j) {
+    const int64_t left = std::min<int64_t>(LANES, o.n - (t0 + j) * LANES);
+    mask[j] = j < nt ? __mmask16((1u << left) - 1) : 0;
+  }
+  __m512 sum[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NR; ++j) sum[m][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i acc[MR][NR];
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_si512();
+    for (int64_t p = g * GROUP / 8; p < (g + 1) * GROUP / 8; ++p) {
+      __m512i lo[NR], hi[NR];
+      for (int j = 0; j < NR; ++j)
+        if (j < nt) {
+          _mm_prefetch(reinterpret_cast<const char*>(wt[j] + p * 64 + AHEAD), _MM_HINT_T0);
+          const __m512i v = _mm512_loadu_si512(wt[j] + p * 64);
+          lo[j] = _mm512_and_si512(v, low);
+          hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+      for (int m = 0; m < MR; ++m) {
+        const int32_t* four = reinterpret_cast<const int32_t*>(o.a + (r + m) * o.k + p * 8);
+        const __m512i a0 = _mm512_set1_epi32(four[0]), a1 = _mm512_set1_epi32(four[1]);
+        for (int j = 0; j < NR; ++j)
+          if (j < nt) {
+            acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], lo[j], a0);
+            acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], hi[j], a1);
+          }
+      }
+    }
+    for (int j = 0; j < nt; ++j) {
+      // the pairs of 16 lanes: the scale in the low half of each 32 bits, the zero in the high
+      const __m512i v = _mm512_maskz_loadu_epi32(mask[j], o.sz + g * o.n + (t0 + j) * LANES);
+      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+      for (int m = 0; m < MR; ++m) {
+        const int64_t i = (r + m) * groups + g;
+        // weight = (q - 8) * scale + zero: sum(a * (q - 8)) is exact in 16 bits, so both
+        // products are exact in float32 and only the two additions round
+        const __m512i centred = _mm512_sub_epi32(acc[m][j], _mm512_set1_epi32(o.asum[i]));
+        sum[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), scale, sum[m][j]);
+        sum[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(o.asumf[i]), zero, sum[m][j]);
+      }
+    }
+  }
+  for (int j = 0; j < nt; ++j)
+    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(o.out + (r + m) * o.n + (t0 + j) * LANES, mask[j], sum[m][j]);
+}
+
+template <int MR>
+void rows(const Operands& o, int64_t r, int64_t t0, int nt, int left) {
+  if constexpr (MR > 1) {
+    if (left < MR) return rows<MR - 1>(o, r, t0, nt, left);
+  }
+  micro<MR>(o, r, t0, nt);
+}
+
+// The power of two that puts a row's largest magnitude in [64, 128) steps: the float32
+// exponent field alone (a row of zeros takes 2^-100's), as `quant._pow2_scale` at 8 bits
+float pow2_scale(const float* x, int64_t k) {
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+  __m512 top = _mm512_setzero_ps();
+  for (int64_t j = 0; j < k; j += 16)
+    top = _mm512_max_ps(top, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(x + j)), magnitude)));
+  const float amax = std::max(_mm512_reduce_max_ps(top), 0x1p-100f);
+  uint32_t bits;
+  std::memcpy(&bits, &amax, 4);
+  bits &= 0x7F800000u;
+  float p;
+  std::memcpy(&p, &bits, 4);
+  return p * 0x1p-6f;
+}
+
+// `x` at scale `s` (a power of two, so `x / s` is exact) rounded to the nearest integer, ties
+// to even, within +-127, as int8 into `q`; `rest` (optional) gets x - q * s, also exact
+void quantize(const float* x, float s, int64_t k, int8_t* q, float* rest) {
+  const __m512 inv = _mm512_set1_ps(1.f / s), scale = _mm512_set1_ps(s);
+  const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (int64_t j = 0; j < k; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 c = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(c)));
+    if (rest != nullptr) _mm512_storeu_ps(rest + j, _mm512_sub_ps(v, _mm512_mul_ps(c, scale)));
+  }
+}
+
+// `x @ w.T`, float32 [M, N], for float32 or bfloat16 x [M, K] and the int4 groups `w = (q - 8) * scale +
+// zero` of [N, K], the nibbles packed by `pack`, scale_zeros bfloat16 [K / 32, N, 2]. Each row
+// of x is quantized on its own in two int8 passes, as `quant.int8_rows_mm` does: the row at a
+// power-of-two scale, then its remainder at the remainder's (both exact), and the two
+// results meet as `y1 * s1 + y2 * s2`. Quantizing here, not in the graph around the call,
+// leaves inductor no fused copy of the activations to round otherwise than eager code.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zeros) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "int4_linear: float32 or bfloat16 [M, K] activations");
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == LANES && w.size(3) == 4 && w.scalar_type() == at::kByte,
+              "int4_linear: packed weights");
+  TORCH_CHECK(scale_zeros.dim() == 3 && scale_zeros.size(2) == 2 && scale_zeros.scalar_type() == at::kBFloat16,
+              "int4_linear: bfloat16 [K/32, N, 2] scales and zeros");
+  const int64_t m = x.size(0), k = x.size(1), n = scale_zeros.size(1), tiles = w.size(0), groups = k / GROUP;
+  TORCH_CHECK(k % GROUP == 0 && w.size(1) * 8 == k && scale_zeros.size(0) == groups, "int4_linear: K differs");
+  TORCH_CHECK((n + LANES - 1) / LANES == tiles, "int4_linear: N differs");
+  at::Tensor xc = x.to(at::kFloat).contiguous(), szc = scale_zeros.contiguous(), wc = w.contiguous();
+  // rows 0..M-1 the first pass, M..2M-1 the second: int8 values, each group's sum (times 8
+  // and as a float), and each row's two scales
+  at::Tensor q = at::empty({2 * m, k}, xc.options().dtype(at::kChar));
+  at::Tensor sum8 = at::empty({2 * m, groups}, xc.options().dtype(at::kInt));
+  at::Tensor sumf = at::empty({2 * m, groups}, xc.options());
+  std::vector<float> scales(2 * m);
+  {
+    const float* src = xc.data_ptr<float>();
+    int8_t* qp = q.data_ptr<int8_t>();
+    int32_t* s8 = sum8.data_ptr<int32_t>();
+    float* sf = sumf.data_ptr<float>();
+    at::parallel_for(0, m, 16, [&](int64_t b, int64_t e) {
+      std::vector<float> rest(k);
+      for (int64_t r = b; r < e; ++r) {
+        const float s1 = pow2_scale(src + r * k, k);
+        quantize(src + r * k, s1, k, qp + r * k, rest.data());
+        const float s2 = pow2_scale(rest.data(), k);
+        quantize(rest.data(), s2, k, qp + (m + r) * k, nullptr);
+        scales[r] = s1;
+        scales[m + r] = s2;
+        for (const int64_t row : {r, m + r})
+          for (int64_t g = 0; g < groups; ++g) {
+            int32_t acc = 0;
+            for (int64_t j = g * GROUP; j < (g + 1) * GROUP; ++j) acc += qp[row * k + j];
+            s8[row * groups + g] = 8 * acc;
+            sf[row * groups + g] = float(acc);
+          }
+      }
+    });
+  }
+  at::Tensor y = at::empty({2 * m, n}, xc.options());
+  const Operands o{q.data_ptr<int8_t>(), sum8.data_ptr<int32_t>(), sumf.data_ptr<float>(), wc.data_ptr<uint8_t>(),
+                   reinterpret_cast<const uint32_t*>(szc.data_ptr<at::BFloat16>()), y.data_ptr<float>(), k, n};
+  const int64_t tgroups = (tiles + NR - 1) / NR, rows2 = 2 * m;
+  at::parallel_for(0, tgroups, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int nt = int(std::min<int64_t>(NR, tiles - t * NR));
+      for (int64_t r = 0; r < rows2; r += MR_MAX)
+        rows<MR_MAX>(o, r, t * NR, nt, int(std::min<int64_t>(MR_MAX, rows2 - r)));
+    }
+  });
+  at::Tensor out = at::empty({m, n}, xc.options());
+  const float* yp = y.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, m, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r)
+      for (int64_t j = 0; j < n; ++j) op[r * n + j] = yp[r * n + j] * scales[r] + yp[(m + r) * n + j] * scales[m + r];
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hcache_int4, lib) {
+  lib.def("pack(Tensor q) -> Tensor");
+  lib.def("int4_linear(Tensor x, Tensor w, Tensor scale_zeros) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hcache_int4, CPU, lib) {
+  lib.impl("pack", &pack);
+  lib.impl("int4_linear", &int4_linear);
+}
+
+// shapes only, for tracing: symbolic, so a compiled graph serves every row count
+TORCH_LIBRARY_IMPL(hcache_int4, Meta, lib) {
+  lib.impl("int4_linear", [](const at::Tensor& x, const at::Tensor&, const at::Tensor& scale_zeros) {
+    return at::empty_symint({x.sym_size(0), scale_zeros.sym_size(1)}, x.options().dtype(at::kFloat));
+  });
+}
