@@ -63,8 +63,8 @@ def int8_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
 
 
 def int4_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
-    """`op(x, tiles, scale_zeros) -> x @ w.T`, float32 `[M, N]`, for float32 `x [M, K]` (each
-    row quantized to two int8 passes inside, as `quant.int8_rows_mm` does) and the int4
+    """`op(x, tiles, scale_zeros) -> x @ w.T`, float32 `[M, N]`, for bfloat16 or float32
+    `x [M, K]` (each row quantized to two int8 passes inside, as `quant.int8_rows_mm` does) and the int4
     groups `w = (q - 8) * scale + zero` of `[N, K]`, the nibbles in `int4_pack`'s tiles, scale
     and zero bfloat16 `[K / 32, N, 2]`."""
     global _int4

@@ -1,4 +1,4 @@
-"""Quantized weights on torch's packed low-bit CPU kernels.
+"""Quantized weights on packed low-bit CPU kernels: ours where the CPU has VNNI, else torch's.
 
 - `Int4Linear`: group-wise asymmetric int4 (groups of 32 along the input), `(q - 8) * scale
   + zero` per group, on our AVX512-VNNI kernel or `aten._weight_int4pack_mm_for_cpu`.
@@ -51,10 +51,10 @@ def _cat_bias(mods: tuple[nn.Module, ...]) -> torch.Tensor | None:
 
 class Int4Linear(_Bf16Scales):
     """`x @ w.T + bias` for int4 groups of 32 inputs, `w = (q - 8) * scale + zero`. Where our
-    AVX512-VNNI kernel runs (`kernels.native.int4_gemm`) the nibbles live in its tiles and the
-    activations are quantized a row at a time in two int8 passes (`int8_rows_mm`); elsewhere
-    in torch's int4 form, on its kernel with bfloat16 activations. Both compute each output
-    row from its own activation row, and each output column alone."""
+    AVX512-VNNI kernel runs (`kernels.native.int4_gemm`) the nibbles live in its tiles, and it
+    quantizes the bfloat16 activations inside the call, a row at a time in the two int8 passes
+    of `int8_rows_mm`; elsewhere they live in torch's int4 form, on its kernel. Both compute
+    each output row from its own activation row, and each output column alone."""
 
     def __init__(
         self,
