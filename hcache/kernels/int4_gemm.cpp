@@ -1,5 +1,6 @@
-// Float32 activations, quantized to two int8 passes, times 4-bit weight groups with AVX512-VNNI (`vpdpbusd`): the int4
-// linears of a decode step, a turn and a prefill.
+// Float32 or bfloat16 activations, quantized inside the call to two int8 passes, times 4-bit
+// weight groups with AVX512-VNNI (`vpdpbusd`): the int4 linears of a decode step, a turn and
+// a prefill.
 //
 // torch's int4 kernel widens each weight to float32 and multiplies with FMAs: at one row it
 // streams the weights at under half the machine's read rate, and at 32 rows it is bound by
