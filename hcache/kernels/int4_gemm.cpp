@@ -23,6 +23,8 @@
 #include <cstring>
 #include <vector>
 
+#include "act_quant.h"
+
 namespace {
 
 constexpr int64_t LANES = 16;   // output rows per tile
@@ -130,42 +132,10 @@ void rows(const Operands& o, int64_t r, int64_t t0, int nt, int left) {
   micro<MR>(o, r, t0, nt);
 }
 
-// The power of two that puts a row's largest magnitude in [64, 128) steps: the float32
-// exponent field alone (a row of zeros takes 2^-100's), as `quant._pow2_scale` at 8 bits
-float pow2_scale(const float* x, int64_t k) {
-  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
-  __m512 top = _mm512_setzero_ps();
-  for (int64_t j = 0; j < k; j += 16)
-    top = _mm512_max_ps(top, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(x + j)), magnitude)));
-  const float amax = std::max(_mm512_reduce_max_ps(top), 0x1p-100f);
-  uint32_t bits;
-  std::memcpy(&bits, &amax, 4);
-  bits &= 0x7F800000u;
-  float p;
-  std::memcpy(&p, &bits, 4);
-  return p * 0x1p-6f;
-}
-
-// `x` at scale `s` (a power of two, so `x / s` is exact) rounded to the nearest integer, ties
-// to even, within +-127, as int8 into `q`; `rest` (optional) gets x - q * s, also exact
-void quantize(const float* x, float s, int64_t k, int8_t* q, float* rest) {
-  const __m512 inv = _mm512_set1_ps(1.f / s), scale = _mm512_set1_ps(s);
-  const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
-  for (int64_t j = 0; j < k; j += 16) {
-    const __m512 v = _mm512_loadu_ps(x + j);
-    const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 c = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(c)));
-    if (rest != nullptr) _mm512_storeu_ps(rest + j, _mm512_sub_ps(v, _mm512_mul_ps(c, scale)));
-  }
-}
-
 // `x @ w.T`, float32 [M, N], for float32 or bfloat16 x [M, K] and the int4 groups `w = (q - 8) * scale +
 // zero` of [N, K], the nibbles packed by `pack`, scale_zeros bfloat16 [K / 32, N, 2]. Each row
-// of x is quantized on its own in two int8 passes, as `quant.int8_rows_mm` does: the row at a
-// power-of-two scale, then its remainder at the remainder's (both exact), and the two
-// results meet as `y1 * s1 + y2 * s2`. Quantizing here, not in the graph around the call,
-// leaves inductor no fused copy of the activations to round otherwise than eager code.
+// of x is quantized on its own in two int8 passes (act_quant.h), and the two results meet as
+// `y1 * s1 + y2 * s2`.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zeros) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "int4_linear: float32 or bfloat16 [M, K] activations");
@@ -191,12 +161,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     at::parallel_for(0, m, 16, [&](int64_t b, int64_t e) {
       std::vector<float> rest(k);
       for (int64_t r = b; r < e; ++r) {
-        const float s1 = pow2_scale(src + r * k, k);
-        quantize(src + r * k, s1, k, qp + r * k, rest.data());
-        const float s2 = pow2_scale(rest.data(), k);
-        quantize(rest.data(), s2, k, qp + (m + r) * k, nullptr);
-        scales[r] = s1;
-        scales[m + r] = s2;
+        hcache::two_passes(src + r * k, k, qp + r * k, qp + (m + r) * k, &scales[r], &scales[m + r], rest.data());
         for (const int64_t row : {r, m + r})
           for (int64_t g = 0; g < groups; ++g) {
             int32_t acc = 0;

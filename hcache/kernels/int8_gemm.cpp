@@ -1,5 +1,6 @@
 // Unsigned 8-bit activations times signed 8-bit weight rows with AVX512-VNNI (`vpdpbusd`),
-// for the few activation rows of a decode step.
+// for the few activation rows of a decode step, and float activations quantized inside the
+// call (`int8_linear`).
 //
 // A step of a larger model is bound by streaming its weights; oneDNN's u8s8 GEMM keeps its
 // panels for many rows and streams them at about half of what the memory gives at one row.
@@ -18,6 +19,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+#include "act_quant.h"
 
 namespace {
 
@@ -129,21 +133,56 @@ at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& c
   return out;
 }
 
+// `x @ w.T` for float32 or bfloat16 x [M, K]: each row quantized on its own to two int8
+// passes (act_quant.h) around the zero point 128, both through `int8_mm`, and the two results
+// meet as `y1 * s1 + y2 * s2`, the bits of `quant.int8_rows_mm` around `int8_mm`
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& comp, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "int8_linear: float32 or bfloat16 [M, K] activations");
+  TORCH_CHECK(w.dim() == 4 && w.size(1) * 4 == x.size(1), "int8_linear: K differs from the packed weights'");
+  const int64_t m = x.size(0), k = x.size(1), n = scale.size(0);
+  at::Tensor xc = x.to(at::kFloat).contiguous();
+  at::Tensor a = at::empty({2 * m, k}, xc.options().dtype(at::kByte));
+  std::vector<float> scales(2 * m);
+  const float* src = xc.data_ptr<float>();
+  auto* ap = reinterpret_cast<int8_t*>(a.data_ptr<uint8_t>());
+  at::parallel_for(0, m, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> rest(k);
+    for (int64_t r = b; r < e; ++r)
+      hcache::two_passes(src + r * k, k, ap + r * k, ap + (m + r) * k, &scales[r], &scales[m + r], rest.data(),
+                         int8_t(-128));  // + 128 as a byte: the unsigned form
+  });
+  const at::Tensor y = int8_mm(a, w, comp, scale, 128);
+  at::Tensor out = at::empty({m, n}, xc.options());
+  const float* yp = y.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, m, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r)
+      for (int64_t j = 0; j < n; ++j) op[r * n + j] = yp[r * n + j] * scales[r] + yp[(m + r) * n + j] * scales[m + r];
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hcache_int8, lib) {
   lib.def("pack(Tensor w) -> (Tensor, Tensor)");
   lib.def("int8_mm(Tensor a, Tensor w, Tensor comp, Tensor scale, int zero) -> Tensor");
+  lib.def("int8_linear(Tensor x, Tensor w, Tensor comp, Tensor scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hcache_int8, CPU, lib) {
   lib.impl("pack", &pack);
   lib.impl("int8_mm", &int8_mm);
+  lib.impl("int8_linear", &int8_linear);
 }
 
 // shapes only, for tracing: symbolic, so a compiled graph serves every row count
 TORCH_LIBRARY_IMPL(hcache_int8, Meta, lib) {
   lib.impl("int8_mm", [](const at::Tensor& a, const at::Tensor&, const at::Tensor&, const at::Tensor& scale, int64_t) {
     return at::empty_symint({a.sym_size(0), scale.sym_size(0)}, a.options().dtype(at::kFloat));
+  });
+  lib.impl("int8_linear", [](const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor& scale) {
+    return at::empty_symint({x.sym_size(0), scale.sym_size(0)}, x.options().dtype(at::kFloat));
   });
 }

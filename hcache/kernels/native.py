@@ -17,6 +17,7 @@ fails (logged once), or with `HCACHE_COMPILE=0`: callers keep their library path
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -95,7 +96,9 @@ def _build(name: str, isa: str, op: str) -> Callable[..., torch.Tensor] | None:
 
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
         source = Path(__file__).with_name(f"{name}.cpp")
-        flags = [*_FLAGS, isa]
+        # torch rebuilds when a source or a flag changes, and it hashes no header: ours go in a flag
+        headers = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h"))))
+        flags = [*_FLAGS, isa, f"-DHCACHE_HEADERS={headers.hexdigest()[:16]}"]
         load(f"hcache_{name}", [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False)
         namespace, fn = op.split(".")
         return getattr(getattr(torch.ops, namespace), fn)

@@ -212,7 +212,10 @@ class Int8Linear(_Bf16Scales):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiles is not None or self._handle is not None:
+        if self.tiles is not None:  # the two passes of `int8_rows_mm`, inside the op
+            flat = x.reshape(-1, self.in_features)
+            y = torch.ops.hcache_int8.int8_linear(flat, self.tiles, self.sums, self.scales).to(x.dtype)
+        elif self._handle is not None:
             y = int8_rows_mm(x.reshape(-1, self.in_features), self._int8_mm, self._bits).to(x.dtype)
         else:
             flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
@@ -223,9 +226,6 @@ class Int8Linear(_Bf16Scales):
 
     def _int8_mm(self, q: torch.Tensor) -> torch.Tensor:
         """`(q - zero) @ rows.T * scale`, float32, for uint8 activations around the zero point."""
-        zero = 2 ** (self._bits - 1)
-        if self.tiles is not None:
-            return torch.ops.hcache_int8.int8_mm(q, self.tiles, self.sums, self.scales, zero)
         return onednn_int8_mm(q, self._handle)
 
 

@@ -6,7 +6,7 @@ import torch
 
 from hcache.kernels import native
 from hcache.kernels.cpu import cpu
-from hcache.model.quant import Int8Linear, Int8Rows
+from hcache.model.quant import Int8Linear, Int8Rows, int8_rows_mm
 
 op = native.int8_gemm()
 pytestmark = pytest.mark.skipif(op is None, reason=f"needs AVX512-VNNI and a C++ compiler; this CPU is {cpu().kind}")
@@ -69,6 +69,22 @@ def test_a_row_has_the_same_bits_alone_in_any_batch_and_on_any_threads():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("m,k", [(1, 4), (2, 36), (5, 100), (33, 896), (17, 4864)])
+def test_the_linear_quantizes_inside_to_the_graphs_bits(m, k):
+    """`int8_linear` quantizes each row in the op: the same bits as `int8_rows_mm`'s two
+    passes in the graph around `int8_mm`, at K with and without a partial vector of 16, for
+    rows of every magnitude (a zero row, a tiny one, a large one) and for bfloat16 input."""
+    g = torch.Generator().manual_seed(m * 7 + k)
+    w = torch.randint(-127, 128, (48, k), dtype=torch.int8, generator=g)
+    scales = (torch.rand(48, generator=g) * 0.1).bfloat16()
+    tiles, sums = native.int8_pack(w)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-30, 4, m)[:, None]
+    x[0] = 0
+    for xs in (x, x.bfloat16()):
+        want = int8_rows_mm(xs, lambda q: op(q, tiles, sums, scales, 128), 8)
+        assert torch.equal(torch.ops.hcache_int8.int8_linear(xs, tiles, sums, scales), want)
+
+
 def test_bad_operands_are_refused():
     a, w, scales = operands(2, 32, 64, 5)
     tiles, sums = native.int8_pack(w)
@@ -76,6 +92,10 @@ def test_bad_operands_are_refused():
         op(a[:, :60].contiguous(), tiles, sums, scales, 128)
     with pytest.raises(RuntimeError, match="multiple of 4"):
         native.int8_pack(w[:, :30].contiguous())
+    with pytest.raises(RuntimeError, match="K differs"):
+        torch.ops.hcache_int8.int8_linear(torch.randn(2, 60), tiles, sums, scales)
+    with pytest.raises(RuntimeError, match="activations"):
+        torch.ops.hcache_int8.int8_linear(torch.ones(2, 64, dtype=torch.int32), tiles, sums, scales)
 
 
 def test_a_tied_embedding_looks_its_rows_up_in_the_tiles():

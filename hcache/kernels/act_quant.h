@@ -1,0 +1,65 @@
+// Activation rows quantized to two int8 passes inside a kernel's call, as
+// `quant.int8_rows_mm` does in the graph at 8 bits: the row at a power-of-two scale, then
+// its remainder at the remainder's. Every step is exact (a power-of-two scale, a rounding to
+// an integer, a remainder that float32 holds), so the bits equal the Python's. Quantizing
+// inside the call leaves inductor no fused copy of the activations to round otherwise than
+// eager code, and an eager turn no dozen small ops per linear.
+
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace hcache {
+
+inline __mmask16 lanes_left(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
+
+// The power of two that puts a row's largest magnitude in [64, 128) steps: the float32
+// exponent field alone (a row of zeros takes 2^-100's)
+inline float pow2_scale(const float* x, int64_t k) {
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+  __m512 top = _mm512_setzero_ps();
+  for (int64_t j = 0; j < k; j += 16) {
+    const __m512 v = _mm512_maskz_loadu_ps(lanes_left(k - j), x + j);
+    top = _mm512_max_ps(top, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), magnitude)));
+  }
+  const float amax = std::max(_mm512_reduce_max_ps(top), 0x1p-100f);
+  uint32_t bits;
+  std::memcpy(&bits, &amax, 4);
+  bits &= 0x7F800000u;
+  float p;
+  std::memcpy(&p, &bits, 4);
+  return p * 0x1p-6f;
+}
+
+// `x` at scale `s` rounded to the nearest integer, ties to even, within +-127, into `q`
+// (plus `offset`: 128 gives the unsigned form around its zero point); `rest` (optional)
+// gets x - q * s
+inline void quantize(const float* x, float s, int64_t k, int8_t* q, float* rest, int8_t offset) {
+  const __m512 inv = _mm512_set1_ps(1.f / s), scale = _mm512_set1_ps(s);
+  const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  const __m128i shift = _mm_set1_epi8(offset);
+  for (int64_t j = 0; j < k; j += 16) {
+    const __mmask16 mask = lanes_left(k - j);
+    const __m512 v = _mm512_maskz_loadu_ps(mask, x + j);
+    const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 c = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
+    const __m128i b = _mm_add_epi8(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(c)), shift);
+    _mm_mask_storeu_epi8(q + j, mask, b);
+    if (rest != nullptr) _mm512_mask_storeu_ps(rest + j, mask, _mm512_sub_ps(v, _mm512_mul_ps(c, scale)));
+  }
+}
+
+// Row `x` [k] in two passes: `q1` at `*s1`, the remainder `q2` at `*s2`; `rest` is scratch of k
+inline void two_passes(const float* x, int64_t k, int8_t* q1, int8_t* q2, float* s1, float* s2, float* rest,
+                       int8_t offset = 0) {
+  *s1 = pow2_scale(x, k);
+  quantize(x, *s1, k, q1, rest, offset);
+  *s2 = pow2_scale(rest, k);
+  quantize(rest, *s2, k, q2, nullptr, offset);
+}
+
+}  // namespace hcache
