@@ -7,23 +7,36 @@
 
 #pragma once
 
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace hcache {
 
 inline __mmask16 lanes_left(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
 
+// 16 values (fewer under `mask`, the rest zero) as float32: float32 as they are, bfloat16
+// (its bits as uint16) widened, which is exact
+inline __m512 load16(const float* x, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, x); }
+inline __m512 load16(const uint16_t* x, __mmask16 mask) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
 // The power of two that puts a row's largest magnitude in [64, 128) steps: the float32
 // exponent field alone (a row of zeros takes 2^-100's)
-inline float pow2_scale(const float* x, int64_t k) {
+template <typename T>
+inline float pow2_scale(const T* x, int64_t k) {
   const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
   __m512 top = _mm512_setzero_ps();
   for (int64_t j = 0; j < k; j += 16) {
-    const __m512 v = _mm512_maskz_loadu_ps(lanes_left(k - j), x + j);
+    const __m512 v = load16(x + j, lanes_left(k - j));
     top = _mm512_max_ps(top, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), magnitude)));
   }
   const float amax = std::max(_mm512_reduce_max_ps(top), 0x1p-100f);
@@ -38,13 +51,14 @@ inline float pow2_scale(const float* x, int64_t k) {
 // `x` at scale `s` rounded to the nearest integer, ties to even, within +-127, into `q`
 // (plus `offset`: 128 gives the unsigned form around its zero point); `rest` (optional)
 // gets x - q * s
-inline void quantize(const float* x, float s, int64_t k, int8_t* q, float* rest, int8_t offset) {
+template <typename T>
+inline void quantize(const T* x, float s, int64_t k, int8_t* q, float* rest, int8_t offset) {
   const __m512 inv = _mm512_set1_ps(1.f / s), scale = _mm512_set1_ps(s);
   const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
   const __m128i shift = _mm_set1_epi8(offset);
   for (int64_t j = 0; j < k; j += 16) {
     const __mmask16 mask = lanes_left(k - j);
-    const __m512 v = _mm512_maskz_loadu_ps(mask, x + j);
+    const __m512 v = load16(x + j, mask);
     const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 c = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
     const __m128i b = _mm_add_epi8(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(c)), shift);
@@ -54,12 +68,31 @@ inline void quantize(const float* x, float s, int64_t k, int8_t* q, float* rest,
 }
 
 // Row `x` [k] in two passes: `q1` at `*s1`, the remainder `q2` at `*s2`; `rest` is scratch of k
-inline void two_passes(const float* x, int64_t k, int8_t* q1, int8_t* q2, float* s1, float* s2, float* rest,
+template <typename T>
+inline void two_passes(const T* x, int64_t k, int8_t* q1, int8_t* q2, float* s1, float* s2, float* rest,
                        int8_t offset = 0) {
   *s1 = pow2_scale(x, k);
   quantize(x, *s1, k, q1, rest, offset);
   *s2 = pow2_scale(rest, k);
-  quantize(rest, *s2, k, q2, nullptr, offset);
+  quantize(rest, *s2, k, q2, static_cast<float*>(nullptr), offset);
+}
+
+// Every row of `x` (float32 or bfloat16 [m, k], contiguous) by `two_passes`: row r's passes
+// into rows r and m + r of `q`, their scales into `scales[r]` and `scales[m + r]`
+inline void quantize_rows(const at::Tensor& x, int8_t* q, float* scales, int8_t offset) {
+  const int64_t m = x.size(0), k = x.size(1);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const void* src = x.data_ptr();
+  at::parallel_for(0, m, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> rest(k);
+    for (int64_t r = b; r < e; ++r) {
+      int8_t *q1 = q + r * k, *q2 = q + (m + r) * k;
+      if (bf16)
+        two_passes(static_cast<const uint16_t*>(src) + r * k, k, q1, q2, &scales[r], &scales[m + r], rest.data(), offset);
+      else
+        two_passes(static_cast<const float*>(src) + r * k, k, q1, q2, &scales[r], &scales[m + r], rest.data(), offset);
+    }
+  });
 }
 
 }  // namespace hcache

@@ -146,33 +146,30 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const int64_t m = x.size(0), k = x.size(1), n = scale_zeros.size(1), tiles = w.size(0), groups = k / GROUP;
   TORCH_CHECK(k % GROUP == 0 && w.size(1) * 8 == k && scale_zeros.size(0) == groups, "int4_linear: K differs");
   TORCH_CHECK((n + LANES - 1) / LANES == tiles, "int4_linear: N differs");
-  at::Tensor xc = x.to(at::kFloat).contiguous(), szc = scale_zeros.contiguous(), wc = w.contiguous();
+  const at::Tensor xc = x.contiguous(), szc = scale_zeros.contiguous(), wc = w.contiguous();
+  const auto f32 = xc.options().dtype(at::kFloat);
   // rows 0..M-1 the first pass, M..2M-1 the second: int8 values, each group's sum (times 8
   // and as a float), and each row's two scales
   at::Tensor q = at::empty({2 * m, k}, xc.options().dtype(at::kChar));
   at::Tensor sum8 = at::empty({2 * m, groups}, xc.options().dtype(at::kInt));
-  at::Tensor sumf = at::empty({2 * m, groups}, xc.options());
+  at::Tensor sumf = at::empty({2 * m, groups}, f32);
   std::vector<float> scales(2 * m);
+  int8_t* qp = q.data_ptr<int8_t>();
+  hcache::quantize_rows(xc, qp, scales.data(), 0);
   {
-    const float* src = xc.data_ptr<float>();
-    int8_t* qp = q.data_ptr<int8_t>();
     int32_t* s8 = sum8.data_ptr<int32_t>();
     float* sf = sumf.data_ptr<float>();
-    at::parallel_for(0, m, 16, [&](int64_t b, int64_t e) {
-      std::vector<float> rest(k);
-      for (int64_t r = b; r < e; ++r) {
-        hcache::two_passes(src + r * k, k, qp + r * k, qp + (m + r) * k, &scales[r], &scales[m + r], rest.data());
-        for (const int64_t row : {r, m + r})
-          for (int64_t g = 0; g < groups; ++g) {
-            int32_t acc = 0;
-            for (int64_t j = g * GROUP; j < (g + 1) * GROUP; ++j) acc += qp[row * k + j];
-            s8[row * groups + g] = 8 * acc;
-            sf[row * groups + g] = float(acc);
-          }
-      }
+    at::parallel_for(0, 2 * m, 16, [&](int64_t b, int64_t e) {
+      for (int64_t row = b; row < e; ++row)
+        for (int64_t g = 0; g < groups; ++g) {
+          int32_t acc = 0;
+          for (int64_t j = g * GROUP; j < (g + 1) * GROUP; ++j) acc += qp[row * k + j];
+          s8[row * groups + g] = 8 * acc;
+          sf[row * groups + g] = float(acc);
+        }
     });
   }
-  at::Tensor y = at::empty({2 * m, n}, xc.options());
+  at::Tensor y = at::empty({2 * m, n}, f32);
   const Operands o{q.data_ptr<int8_t>(), sum8.data_ptr<int32_t>(), sumf.data_ptr<float>(), wc.data_ptr<uint8_t>(),
                    reinterpret_cast<const uint32_t*>(szc.data_ptr<at::BFloat16>()), y.data_ptr<float>(), k, n};
   const int64_t tgroups = (tiles + NR - 1) / NR, rows2 = 2 * m;
@@ -183,7 +180,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
         rows<MR_MAX>(o, r, t * NR, nt, int(std::min<int64_t>(MR_MAX, rows2 - r)));
     }
   });
-  at::Tensor out = at::empty({m, n}, xc.options());
+  at::Tensor out = at::empty({m, n}, f32);
   const float* yp = y.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, m, 16, [&](int64_t b, int64_t e) {

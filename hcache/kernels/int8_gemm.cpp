@@ -141,19 +141,13 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
               "int8_linear: float32 or bfloat16 [M, K] activations");
   TORCH_CHECK(w.dim() == 4 && w.size(1) * 4 == x.size(1), "int8_linear: K differs from the packed weights'");
   const int64_t m = x.size(0), k = x.size(1), n = scale.size(0);
-  at::Tensor xc = x.to(at::kFloat).contiguous();
+  const at::Tensor xc = x.contiguous();
   at::Tensor a = at::empty({2 * m, k}, xc.options().dtype(at::kByte));
   std::vector<float> scales(2 * m);
-  const float* src = xc.data_ptr<float>();
-  auto* ap = reinterpret_cast<int8_t*>(a.data_ptr<uint8_t>());
-  at::parallel_for(0, m, 16, [&](int64_t b, int64_t e) {
-    std::vector<float> rest(k);
-    for (int64_t r = b; r < e; ++r)
-      hcache::two_passes(src + r * k, k, ap + r * k, ap + (m + r) * k, &scales[r], &scales[m + r], rest.data(),
-                         int8_t(-128));  // + 128 as a byte: the unsigned form
-  });
+  // + 128 as a byte: the unsigned form around the zero point
+  hcache::quantize_rows(xc, reinterpret_cast<int8_t*>(a.data_ptr<uint8_t>()), scales.data(), int8_t(-128));
   const at::Tensor y = int8_mm(a, w, comp, scale, 128);
-  at::Tensor out = at::empty({m, n}, xc.options());
+  at::Tensor out = at::empty({m, n}, xc.options().dtype(at::kFloat));
   const float* yp = y.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, m, 16, [&](int64_t b, int64_t e) {
