@@ -339,7 +339,7 @@ def section(data: dict, stem: str = "rag") -> list[str]:
                 f"| {m} | {r['accuracy']:.2f} | {r['agreement']:.2f} | {r['kl_mean']:.4f} | {r['kl_median']:.4f} |"
             )
         out.append("")
-    notes = [f"Note: {data[k]}" for k in ("quality_note", "pipeline_note") if k in data]  # merged runs
+    notes = [f"Note: {data[k]}" for k in ("quality_note", "speed_note", "pipeline_note") if k in data]  # merged
     return [*out, *notes, f"Raw results: `bench/results/{stem}.json`.", ""]
 
 
