@@ -180,14 +180,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
         rows<MR_MAX>(o, r, t * NR, nt, int(std::min<int64_t>(MR_MAX, rows2 - r)));
     }
   });
-  at::Tensor out = at::empty({m, n}, f32);
-  const float* yp = y.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, m, 16, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r)
-      for (int64_t j = 0; j < n; ++j) op[r * n + j] = yp[r * n + j] * scales[r] + yp[(m + r) * n + j] * scales[m + r];
-  });
-  return out;
+  return hcache::combine_passes(y, scales.data());
 }
 
 }  // namespace

@@ -147,14 +147,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   // + 128 as a byte: the unsigned form around the zero point
   hcache::quantize_rows(xc, reinterpret_cast<int8_t*>(a.data_ptr<uint8_t>()), scales.data(), int8_t(-128));
   const at::Tensor y = int8_mm(a, w, comp, scale, 128);
-  at::Tensor out = at::empty({m, n}, xc.options().dtype(at::kFloat));
-  const float* yp = y.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, m, 16, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r)
-      for (int64_t j = 0; j < n; ++j) op[r * n + j] = yp[r * n + j] * scales[r] + yp[(m + r) * n + j] * scales[m + r];
-  });
-  return out;
+  return hcache::combine_passes(y, scales.data());
 }
 
 }  // namespace
