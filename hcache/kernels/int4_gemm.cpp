@@ -18,9 +18,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "act_quant.h"

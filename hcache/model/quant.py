@@ -154,7 +154,7 @@ class Int8Linear(_Bf16Scales):
         self.register_buffer("tiles", None)  # `pack_native`'s: the rows in the kernel's tiles
         self.register_buffer("sums", None)  # and each row's sum
         self._handle: int | None = None  # `pack_for_onednn`'s copy, in `_ONEDNN`
-        self._bits = 8  # the packed form's activations'
+        self._bits = 8  # oneDNN's activations'
         self.packed_bytes = 0  # bytes held outside the module's tensors (oneDNN's copy)
 
     @classmethod
@@ -189,7 +189,7 @@ class Int8Linear(_Bf16Scales):
         if native.int8_gemm() is None or self.in_features % 4 or self._handle is not None:
             return False
         self.tiles, self.sums = native.int8_pack(self.q)
-        self.q, self._bits = self.q.new_empty((self.out_features, 0)), 8
+        self.q = self.q.new_empty((self.out_features, 0))
         return True
 
     def pack_for_onednn(self, bits: int | None = None, keep_rows: bool = False) -> bool:
@@ -216,17 +216,14 @@ class Int8Linear(_Bf16Scales):
             flat = x.reshape(-1, self.in_features)
             y = torch.ops.hcache_int8.int8_linear(flat, self.tiles, self.sums, self.scales).to(x.dtype)
         elif self._handle is not None:
-            y = int8_rows_mm(x.reshape(-1, self.in_features), self._int8_mm, self._bits).to(x.dtype)
+            mm = functools.partial(onednn_int8_mm, handle=self._handle)
+            y = int8_rows_mm(x.reshape(-1, self.in_features), mm, self._bits).to(x.dtype)
         else:
             flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
             y = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
-
-    def _int8_mm(self, q: torch.Tensor) -> torch.Tensor:
-        """`(q - zero) @ rows.T * scale`, float32, for uint8 activations around the zero point."""
-        return onednn_int8_mm(q, self._handle)
 
 
 class Int8Rows(Int8Linear):
