@@ -2,9 +2,21 @@
 
 import os
 
-# MKL's conditional numerical reproducibility, read at its first call: without it a float32
-# GEMM rounds by its buffers' alignment, so torch's float32 attention gave a sequence other
-# bits on the other thread (a batch moves it). Float32 matmul speed was unchanged here.
-os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+# Process settings read by native libraries when they load, so set before torch is imported.
+# Only those the user left unset are set; `OWN_ENV` names them, so that a peer benchmarked in a
+# child process runs with the user's environment, not ours.
+_SETTINGS = {
+    # MKL's conditional numerical reproducibility, read at its first call: without it a
+    # float32 GEMM rounds by its buffers' alignment, so torch's float32 attention gave a
+    # sequence other bits on the other thread (a batch moves it).
+    "MKL_CBWR": "AUTO,STRICT",
+    # libgomp's idle workers spin 300,000 pauses (milliseconds) before they sleep. A restore
+    # waits on reads between layers, and the spinning worker took a core from the threads
+    # that verify and place them; decode's back-to-back ops still meet a spinning worker.
+    "GOMP_SPINCOUNT": "3000",
+}
+_UNLESS = {"GOMP_SPINCOUNT": "OMP_WAIT_POLICY"}  # the user's wait policy wins over our spin count
+OWN_ENV = {k: v for k, v in _SETTINGS.items() if k not in os.environ and _UNLESS.get(k, k) not in os.environ}
+os.environ.update(OWN_ENV)
 
 __version__ = "0.1.0"

@@ -5,14 +5,17 @@ batched decode; in a process of its own (`Peer`)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import hcache
 from hcache.model.loader import resolve_model_path
 
 TURN = 32
@@ -83,13 +86,15 @@ class Peer:
     so the two systems never run at once). hcache's measurements and llama.cpp's take turns
     round by round: this VM's speed drifts by up to 15% over minutes, and measuring one
     system after the other put that drift into their ratio. In its own process llama.cpp's
-    OpenMP teams never meet torch's."""
+    OpenMP teams never meet torch's, and its environment is the user's, without hcache's
+    own settings (`hcache.OWN_ENV`: its libgomp reads them too)."""
 
     def __init__(self, n_ctx: int, threads: int, scratch: Path, model: str = "default"):
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(child, n_ctx, threads, str(scratch), model), daemon=True)
-        self._proc.start()
+        with users_env():
+            self._proc.start()
 
     def call(self, name: str, *args: Any) -> Any:
         self._conn.send((name, args))
@@ -103,6 +108,16 @@ class Peer:
             self._conn.send(None)
             self._proc.join(30)
         self._conn.close()
+
+
+@contextlib.contextmanager
+def users_env() -> Iterator[None]:
+    """The environment without the settings hcache made itself, while a child starts."""
+    own = {k: os.environ.pop(k) for k in hcache.OWN_ENV if os.environ.get(k) == hcache.OWN_ENV[k]}
+    try:
+        yield
+    finally:
+        os.environ.update(own)
 
 
 def _serve(conn: Any, n_ctx: int, threads: int, scratch: str, model: str) -> None:
