@@ -253,18 +253,21 @@ at::Tensor causal_attention_bf16(const at::Tensor& q, const at::Tensor& k, const
   Shape sh{t, s, s - t, nh / kvh, d, nh, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
            float(scale * 1.4426950408889634)};
   const int64_t rows = sh.g * t, nrb = (rows + ROWS - 1) / ROWS, nsp = (s + SPLIT - 1) / SPLIT, blocks = kvh * nrb;
+  // a KV head's rows in blocks of even size (whole vectors): a block of 96 beside one of 3
+  // left one thread with twice the other's work
+  const int64_t per = ((rows + nrb - 1) / nrb + 15) / 16 * 16;
   const auto *qp = q.data_ptr<at::BFloat16>(), *kp = k.data_ptr<at::BFloat16>(), *vp = v.data_ptr<at::BFloat16>();
   at::Tensor out = at::empty({t, nh * d}, q.options());
   auto* outp = out.data_ptr<at::BFloat16>();
   auto f32 = q.options().dtype(at::kFloat);
   auto block = [&](int64_t hb, int64_t sp, float* o, float* m, float* l) {
-    const int64_t h = hb / nrb, r0 = (hb % nrb) * ROWS, nr = std::min(ROWS, rows - r0);
+    const int64_t h = hb / nrb, r0 = (hb % nrb) * per, nr = std::min(per, rows - r0);
     const int64_t k0 = sp * SPLIT, k1 = std::min(s, k0 + SPLIT);
     run_span(int((nr + 15) / 16), sh, qp, kp, vp, h, r0, nr, k0, k1, o + sp * ROWS * d, m + sp * ROWS, l + sp * ROWS);
   };
   auto finish = [&](int64_t hb, const float* o, const float* m, const float* l) {
-    const int64_t r0 = (hb % nrb) * ROWS;
-    merge(sh, nsp, hb / nrb, r0, std::min(ROWS, rows - r0), o, m, l, outp);
+    const int64_t r0 = (hb % nrb) * per;
+    merge(sh, nsp, hb / nrb, r0, std::min(per, rows - r0), o, m, l, outp);
   };
   if (blocks >= 4 * at::get_num_threads()) {
     // enough blocks to share: each thread runs a block's spans in turn, partials in its own scratch

@@ -54,13 +54,21 @@ def test_matches_the_reference_as_closely_as_the_matmul_path(t, s, heads, kv_hea
     assert err <= 1.5 * ours_before / want.abs().max().item()
 
 
-def test_a_position_has_the_same_bits_in_one_call_or_in_pieces():
-    q, k, v = inputs(600, 2600, 9, 3, 64, 1)
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        (64, 300, 236),  # a prompt in chunks
+        (32, 1),  # a turn of 33 rows per head group: its rows in even blocks, unlike 32 + 1's
+    ],
+)
+def test_a_position_has_the_same_bits_in_one_call_or_in_pieces(pieces):
+    t, s = sum(pieces), 2600
+    q, k, v = inputs(t, s, 9, 3, 64, 1)
     whole = op(q, k, v, 0.125)
-    # the last 600 positions of 2600, as chunks of 64 + 300 + 236 rows, each over the keys so far
-    done, parts = 2000, []
-    for n in (64, 300, 236):
-        parts.append(op(q[done - 2000 : done - 2000 + n], k[: done + n], v[: done + n], 0.125))
+    # the last t positions of s, as chunks of rows, each over the keys so far
+    done, parts = s - t, []
+    for n in pieces:
+        parts.append(op(q[done - (s - t) : done - (s - t) + n], k[: done + n], v[: done + n], 0.125))
         done += n
     assert torch.equal(torch.cat(parts), whole)
 
