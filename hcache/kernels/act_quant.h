@@ -77,18 +77,9 @@ inline void two_passes(const T* x, int64_t k, int8_t* q1, int8_t* q2, float* s1,
   quantize(rest, *s2, k, q2, static_cast<float*>(nullptr), offset);
 }
 
-// Row `x` [k] in one pass (`q1` at `*s1`) or in `two_passes`
-template <typename T>
-inline void row_passes(const T* x, int64_t k, int8_t* q1, int8_t* q2, float* s1, float* s2, float* rest, int8_t offset,
-                       int64_t passes) {
-  if (passes == 2) return two_passes(x, k, q1, q2, s1, s2, rest, offset);
-  *s1 = pow2_scale(x, k);
-  quantize(x, *s1, k, q1, static_cast<float*>(nullptr), offset);
-}
-
-// Every row of `x` (float32 or bfloat16 [m, k], contiguous) in `passes` (1 or 2) passes:
-// row r's into rows r (and m + r) of `q`, their scales into `scales[r]` (and `scales[m + r]`)
-inline void quantize_rows(const at::Tensor& x, int8_t* q, float* scales, int8_t offset, int64_t passes = 2) {
+// Every row of `x` (float32 or bfloat16 [m, k], contiguous) by `two_passes`: row r's passes
+// into rows r and m + r of `q`, their scales into `scales[r]` and `scales[m + r]`
+inline void quantize_rows(const at::Tensor& x, int8_t* q, float* scales, int8_t offset) {
   const int64_t m = x.size(0), k = x.size(1);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const void* src = x.data_ptr();
@@ -97,29 +88,23 @@ inline void quantize_rows(const at::Tensor& x, int8_t* q, float* scales, int8_t 
     for (int64_t r = b; r < e; ++r) {
       int8_t *q1 = q + r * k, *q2 = q + (m + r) * k;
       if (bf16)
-        row_passes(static_cast<const uint16_t*>(src) + r * k, k, q1, q2, &scales[r], &scales[m + r], rest.data(), offset,
-                   passes);
+        two_passes(static_cast<const uint16_t*>(src) + r * k, k, q1, q2, &scales[r], &scales[m + r], rest.data(), offset);
       else
-        row_passes(static_cast<const float*>(src) + r * k, k, q1, q2, &scales[r], &scales[m + r], rest.data(), offset,
-                   passes);
+        two_passes(static_cast<const float*>(src) + r * k, k, q1, q2, &scales[r], &scales[m + r], rest.data(), offset);
     }
   });
 }
 
-// `y` float32 [passes * m, n], rows r (and m + r) the passes' results: y1 * s1 (+ y2 * s2), [m, n]
-// (each product exact, one rounding)
-inline at::Tensor combine_passes(const at::Tensor& y, const float* scales, int64_t passes = 2) {
-  const int64_t m = y.size(0) / passes, n = y.size(1);
+// `y` float32 [2m, n], rows r and m + r the two passes' results: y1 * s1 + y2 * s2, [m, n]
+// (both products exact, one rounding)
+inline at::Tensor combine_passes(const at::Tensor& y, const float* scales) {
+  const int64_t m = y.size(0) / 2, n = y.size(1);
   at::Tensor out = at::empty({m, n}, y.options());
   const float* yp = y.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, m, 16, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      if (passes == 1)
-        for (int64_t j = 0; j < n; ++j) op[r * n + j] = yp[r * n + j] * scales[r];
-      else
-        for (int64_t j = 0; j < n; ++j) op[r * n + j] = yp[r * n + j] * scales[r] + yp[(m + r) * n + j] * scales[m + r];
-    }
+    for (int64_t r = b; r < e; ++r)
+      for (int64_t j = 0; j < n; ++j) op[r * n + j] = yp[r * n + j] * scales[r] + yp[(m + r) * n + j] * scales[m + r];
   });
   return out;
 }

@@ -133,24 +133,21 @@ at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& c
   return out;
 }
 
-// `x @ w.T` for float32 or bfloat16 x [M, K]: each row quantized on its own to `passes` int8
-// passes (act_quant.h; 2: the remainder of the first too) around the zero point 128, all
-// through `int8_mm`, and the results meet as `y1 * s1 (+ y2 * s2)`, the bits of
-// `quant.int8_rows_mm` around `int8_mm`
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& comp, const at::Tensor& scale,
-                       int64_t passes) {
+// `x @ w.T` for float32 or bfloat16 x [M, K]: each row quantized on its own to two int8
+// passes (act_quant.h) around the zero point 128, both through `int8_mm`, and the two results
+// meet as `y1 * s1 + y2 * s2`, the bits of `quant.int8_rows_mm` around `int8_mm`
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& comp, const at::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "int8_linear: float32 or bfloat16 [M, K] activations");
   TORCH_CHECK(w.dim() == 4 && w.size(1) * 4 == x.size(1), "int8_linear: K differs from the packed weights'");
-  TORCH_CHECK(passes == 1 || passes == 2, "int8_linear: 1 or 2 passes");
-  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t m = x.size(0), k = x.size(1), n = scale.size(0);
   const at::Tensor xc = x.contiguous();
-  at::Tensor a = at::empty({passes * m, k}, xc.options().dtype(at::kByte));
-  std::vector<float> scales(passes * m);
+  at::Tensor a = at::empty({2 * m, k}, xc.options().dtype(at::kByte));
+  std::vector<float> scales(2 * m);
   // + 128 as a byte: the unsigned form around the zero point
-  hcache::quantize_rows(xc, reinterpret_cast<int8_t*>(a.data_ptr<uint8_t>()), scales.data(), int8_t(-128), passes);
+  hcache::quantize_rows(xc, reinterpret_cast<int8_t*>(a.data_ptr<uint8_t>()), scales.data(), int8_t(-128));
   const at::Tensor y = int8_mm(a, w, comp, scale, 128);
-  return hcache::combine_passes(y, scales.data(), passes);
+  return hcache::combine_passes(y, scales.data());
 }
 
 }  // namespace
@@ -158,7 +155,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 TORCH_LIBRARY(hcache_int8, lib) {
   lib.def("pack(Tensor w) -> (Tensor, Tensor)");
   lib.def("int8_mm(Tensor a, Tensor w, Tensor comp, Tensor scale, int zero) -> Tensor");
-  lib.def("int8_linear(Tensor x, Tensor w, Tensor comp, Tensor scale, int passes) -> Tensor");
+  lib.def("int8_linear(Tensor x, Tensor w, Tensor comp, Tensor scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hcache_int8, CPU, lib) {
@@ -172,8 +169,7 @@ TORCH_LIBRARY_IMPL(hcache_int8, Meta, lib) {
   lib.impl("int8_mm", [](const at::Tensor& a, const at::Tensor&, const at::Tensor&, const at::Tensor& scale, int64_t) {
     return at::empty_symint({a.sym_size(0), scale.sym_size(0)}, a.options().dtype(at::kFloat));
   });
-  lib.impl("int8_linear", [](const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor& scale,
-                             int64_t) {
+  lib.impl("int8_linear", [](const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor& scale) {
     return at::empty_symint({x.sym_size(0), scale.sym_size(0)}, x.options().dtype(at::kFloat));
   });
 }

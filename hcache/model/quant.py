@@ -145,8 +145,6 @@ class Int8Linear(_Bf16Scales):
     times slower). Every path computes each output row from its own activation row alone: a
     row's result never depends on the batch around it."""
 
-    passes = 2  # activation passes at 8 bits (`int8_rows_mm`); 7-bit activations take two
-
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = q.shape
@@ -214,13 +212,12 @@ class Int8Linear(_Bf16Scales):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiles is not None:  # the passes of `int8_rows_mm`, inside the op
+        if self.tiles is not None:  # the two passes of `int8_rows_mm`, inside the op
             flat = x.reshape(-1, self.in_features)
-            y = torch.ops.hcache_int8.int8_linear(flat, self.tiles, self.sums, self.scales, self.passes).to(x.dtype)
+            y = torch.ops.hcache_int8.int8_linear(flat, self.tiles, self.sums, self.scales).to(x.dtype)
         elif self._handle is not None:
             mm = functools.partial(onednn_int8_mm, handle=self._handle)
-            passes = self.passes if self._bits == 8 else 2
-            y = int8_rows_mm(x.reshape(-1, self.in_features), mm, self._bits, passes).to(x.dtype)
+            y = int8_rows_mm(x.reshape(-1, self.in_features), mm, self._bits).to(x.dtype)
         else:
             flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
             y = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales).to(x.dtype)
@@ -231,11 +228,7 @@ class Int8Linear(_Bf16Scales):
 
 class Int8Rows(Int8Linear):
     """A `[rows, dim]` matrix of int8 rows that an LM head (`forward`) and the embedding it is
-    tied to (`lookup`) share. As a head its activations take one 8-bit pass: it is the
-    largest matrix of a batched step, and its logits feed only the sampler, never a cache,
-    so no restore path can tell (bench/peers.py measures what it costs in perplexity)."""
-
-    passes = 1
+    tied to (`lookup`) share."""
 
     def lookup(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.tiles is None:
@@ -252,13 +245,10 @@ class Int8Rows(Int8Linear):
 _ONEDNN: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
 
 
-def int8_rows_mm(
-    x: torch.Tensor, mm: Callable[[torch.Tensor], torch.Tensor], bits: int, passes: int = 2
-) -> torch.Tensor:
+def int8_rows_mm(x: torch.Tensor, mm: Callable[[torch.Tensor], torch.Tensor], bits: int) -> torch.Tensor:
     """`x @ rows.T` (float32 `[M, rows]`) on an int8 GEMM `mm` (uint8 activations around
     the zero point 2^(bits-1), float32 out). Each row of `x` is quantized
-    on its own (so a row's result never depends on the others in the batch), in two passes
-    (or, with `passes=1`, the first alone):
+    on its own (so a row's result never depends on the others in the batch), in two passes:
     the row at its own scale, then what that left over at the remainder's (two passes of
     `bits`-bit values, sign included: about 14 bits at 8, 12 at 7, where one 8-bit pass
     moved the shipped text's perplexity measurably). Both passes go in one call, which
@@ -274,8 +264,6 @@ def int8_rows_mm(
     m = x.shape[0]
     s1 = _pow2_scale(x, bits)
     q1 = torch.round(x * s1.reciprocal()).clamp(-top, top)
-    if passes == 1:
-        return mm((q1 + (top + 1)).to(torch.uint8)) * s1
     rest = x - q1 * s1
     s2 = _pow2_scale(rest, bits)
     q2 = torch.round(rest * s2.reciprocal()).clamp(-top, top)

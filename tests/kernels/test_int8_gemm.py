@@ -69,13 +69,11 @@ def test_a_row_has_the_same_bits_alone_in_any_batch_and_on_any_threads():
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("passes", [1, 2])
 @pytest.mark.parametrize("m,k", [(1, 4), (2, 36), (5, 100), (33, 896), (17, 4864)])
-def test_the_linear_quantizes_inside_to_the_graphs_bits(m, k, passes):
-    """`int8_linear` quantizes each row in the op: the same bits as `int8_rows_mm`'s passes
-    (two for a linear, one for a head) in the graph around `int8_mm`, at K with and without
-    a partial vector of 16, for rows of every magnitude (a zero row, a tiny one, a large one)
-    and for bfloat16 input."""
+def test_the_linear_quantizes_inside_to_the_graphs_bits(m, k):
+    """`int8_linear` quantizes each row in the op: the same bits as `int8_rows_mm`'s two
+    passes in the graph around `int8_mm`, at K with and without a partial vector of 16, for
+    rows of every magnitude (a zero row, a tiny one, a large one) and for bfloat16 input."""
     g = torch.Generator().manual_seed(m * 7 + k)
     w = torch.randint(-127, 128, (48, k), dtype=torch.int8, generator=g)
     scales = (torch.rand(48, generator=g) * 0.1).bfloat16()
@@ -83,8 +81,8 @@ def test_the_linear_quantizes_inside_to_the_graphs_bits(m, k, passes):
     x = torch.randn(m, k, generator=g) * torch.logspace(-30, 4, m)[:, None]
     x[0] = 0
     for xs in (x, x.bfloat16()):
-        want = int8_rows_mm(xs, lambda q: op(q, tiles, sums, scales, 128), 8, passes)
-        assert torch.equal(torch.ops.hcache_int8.int8_linear(xs, tiles, sums, scales, passes), want)
+        want = int8_rows_mm(xs, lambda q: op(q, tiles, sums, scales, 128), 8)
+        assert torch.equal(torch.ops.hcache_int8.int8_linear(xs, tiles, sums, scales), want)
 
 
 def test_bad_operands_are_refused():
@@ -95,11 +93,9 @@ def test_bad_operands_are_refused():
     with pytest.raises(RuntimeError, match="multiple of 4"):
         native.int8_pack(w[:, :30].contiguous())
     with pytest.raises(RuntimeError, match="K differs"):
-        torch.ops.hcache_int8.int8_linear(torch.randn(2, 60), tiles, sums, scales, 2)
+        torch.ops.hcache_int8.int8_linear(torch.randn(2, 60), tiles, sums, scales)
     with pytest.raises(RuntimeError, match="activations"):
-        torch.ops.hcache_int8.int8_linear(torch.ones(2, 64, dtype=torch.int32), tiles, sums, scales, 2)
-    with pytest.raises(RuntimeError, match="1 or 2 passes"):
-        torch.ops.hcache_int8.int8_linear(torch.randn(2, 64), tiles, sums, scales, 3)
+        torch.ops.hcache_int8.int8_linear(torch.ones(2, 64, dtype=torch.int32), tiles, sums, scales)
 
 
 def test_a_tied_embedding_looks_its_rows_up_in_the_tiles():
@@ -111,16 +107,14 @@ def test_a_tied_embedding_looks_its_rows_up_in_the_tiles():
     assert torch.equal(rows.lookup(tokens, torch.float32), want)
 
 
-@pytest.mark.parametrize("kind", [Int8Linear, Int8Rows])
-def test_a_linear_on_the_kernel_equals_it_on_onednn(kind):
+def test_a_linear_on_the_kernel_equals_it_on_onednn():
     """The same rows and activations through our tiles and through oneDNN's copy: both sum
-    exactly and scale once, so the outputs are the same bits, a linear's two passes and a
-    head's one."""
+    exactly and scale once, so the logits are the same bits."""
     if not cpu().int8_vnni or not torch.backends.mkldnn.is_available():
         pytest.skip(f"oneDNN's 8-bit activations need VNNI; this CPU is {cpu().kind}")
     g = torch.Generator().manual_seed(2)
     w, b = torch.randn(96, 128, generator=g), torch.randn(96, generator=g)
-    ours, theirs = kind.from_float(w, b), kind.from_float(w, b)
+    ours, theirs = Int8Linear.from_float(w, b), Int8Linear.from_float(w, b)
     assert ours.pack_native() and theirs.pack_for_onednn()
     x = torch.randn(9, 128, generator=g) * 3
     assert torch.equal(ours(x), theirs(x))

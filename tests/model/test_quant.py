@@ -198,10 +198,8 @@ def test_fused_int4_projections_give_the_separate_calls_bits(default_model, tiny
 def test_the_onednn_head_is_row_independent_close_and_the_same_compiled(bits):
     """The LM head on oneDNN's int8 GEMM quantizes each row on its own: a row's logits are
     the same bits alone or in any batch, eager or inside a compiled graph, and stay within
-    their path's rounding. Both activation widths: 8 bits where oneDNN has VNNI, in one pass
-    (each activation within half its row's step of the exact product's), and 7 (no pair of
-    byte products past 16 bits) on every CPU, in two passes (within the bfloat16 rounding
-    of `_weight_int8pack_mm`'s)."""
+    the bfloat16 kernel's rounding of `_weight_int8pack_mm`'s. Both activation widths: 8 bits
+    where oneDNN has VNNI, 7 (no pair of byte products past 16 bits) on every CPU."""
     if bits > cpu().head_activation_bits:
         pytest.skip(f"8-bit activations need VNNI; this CPU is {cpu().kind}")
     g = torch.Generator().manual_seed(0)
@@ -209,16 +207,10 @@ def test_the_onednn_head_is_row_independent_close_and_the_same_compiled(bits):
     x = torch.randn(9, 64, generator=g) * 3
     x[:, 5] *= 40  # an outlier channel, as real hidden states have
     want = rows(x)  # `_weight_int8pack_mm`, on bfloat16 activations
-    w = rows.q.double() * rows.scales.double()[:, None]
     if not rows.pack_for_onednn(bits):
         pytest.skip("this torch has no oneDNN")
     got = rows(x)
-    if bits == 8:
-        exact = x.double() @ w.T
-        step = 2.0 ** (x.double().abs().amax(1, keepdim=True).log2().floor() - 6)  # each row's
-        assert ((got - exact).abs() <= 0.5 * step * w.abs().sum(1) + 1e-5 * exact.abs().max()).all()
-    else:
-        assert (got - want).abs().max() <= 2**-7 * want.abs().max()
+    assert (got - want).abs().max() <= 2**-7 * want.abs().max()
     for i in range(len(x)):
         assert torch.equal(rows(x[i : i + 1]), got[i : i + 1])
     compiled = torch.compile(lambda t: rows(t), dynamic=True, fullgraph=True)
