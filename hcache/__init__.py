@@ -15,8 +15,8 @@ _SETTINGS = {
     # that verify and place them; decode's back-to-back ops still meet a spinning worker.
     "GOMP_SPINCOUNT": "3000",
 }
-_UNLESS = {"GOMP_SPINCOUNT": "OMP_WAIT_POLICY"}  # the user's wait policy wins over our spin count
-OWN_ENV = {k: v for k, v in _SETTINGS.items() if k not in os.environ and _UNLESS.get(k, k) not in os.environ}
+_ALSO_DECIDES = {"GOMP_SPINCOUNT": "OMP_WAIT_POLICY"}  # a user's wait policy decides the spin too
+OWN_ENV = {k: v for k, v in _SETTINGS.items() if not {k, _ALSO_DECIDES.get(k, k)} & os.environ.keys()}
 os.environ.update(OWN_ENV)
 
 __version__ = "0.1.0"
