@@ -11,7 +11,7 @@ import bisect
 
 import torch
 
-from hcache.model.attention import causal_attention, decode_mask, key_width
+from hcache.model.attention import causal_attention, key_width
 from hcache.model.base import DecoderModel
 from hcache.model.decode import BLOCK_TOKENS, Paged
 from hcache.model.geometry import ModelConfig
@@ -234,23 +234,21 @@ class BatchCache:
 
 def _decode_step(caches: list[PagedCache]) -> Paged:
     """Where each sequence's new token goes in the pool, and its rows (whole key blocks,
-    the rows past it masked) as the attention's keys."""
+    the rows past it unread) as the attention's keys."""
     pool, dev = caches[0].pool, caches[0].pool.device
-    kvh, d = pool.cfg.num_kv_heads, pool.cfg.head_dim
     lengths = [c.length + 1 for c in caches]
     width = key_width(max(lengths))
     write_rows = torch.cat([c.rows(c.length, 1) for c in caches])
-    mask = decode_mask(torch.tensor(lengths, device=dev), width)
+    attended = torch.tensor(lengths, device=dev)
     one = caches[0]
     if len(caches) == 1 and one.contiguous:
         start = one.blocks[0] * BLOCK_TOKENS
-        return Paged(pool.k, pool.v, write_rows, lambda p: p.narrow(0, start, width).view(1, width, kvh, d), mask)
+        return Paged(pool.k, pool.v, write_rows, torch.arange(start, start + width, device=dev)[None], attended)
     gathered = []
     for c, n in zip(caches, lengths, strict=True):
         rows = c.rows(0, key_width(n))
         gathered.append(torch.cat([rows, rows[-1:].expand(width - rows.shape[0])]) if rows.shape[0] < width else rows)
-    gather, b = torch.cat(gathered), len(caches)
-    return Paged(pool.k, pool.v, write_rows, lambda p: p.index_select(0, gather).view(b, width, kvh, d), mask)
+    return Paged(pool.k, pool.v, write_rows, torch.cat(gathered).view(len(caches), width), attended)
 
 
 def warm_decode(model: DecoderModel, kv_dtype: torch.dtype) -> None:

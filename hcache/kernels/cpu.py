@@ -102,7 +102,7 @@ class Cpu:
             "int8_linear": int8,
             "lm_head": int8,
             "attention": self.attention,
-            "decode_attention": "inductor-float32",
+            "decode_attention": "native-avx512" if COMPILE and self.avx512 else "inductor-float32",
         }
 
 

@@ -8,11 +8,15 @@ widen to float32, oneDNN's fused graph rounds the scores to bfloat16 (bench/RESU
 `int8_gemm`: few rows of uint8 activations times int8 weight rows with AVX512-VNNI
 (`int8_gemm.cpp`): oneDNN's u8s8 GEMM streams a decode step's weights at about half the
 machine's read rate.
+`decode_attention`: a decode step's attention over the pool's rows where they lie, with
+AVX-512 float32 dot products (`decode_attention.cpp`): inductor's fused reductions over
+the gathered rows sum each key's products across lanes one at a time, far below the FMA
+rate at a batch's sizes.
 `int4_gemm`: the same for 4-bit weight groups (`int4_gemm.cpp`): torch's int4 kernel widens
 the weights to float32, which is FMA-bound at a batch's rows and streams at under half the
 read rate at one.
 
-Each is None when the CPU lacks its instructions (`Cpu.bf16`, `Cpu.vnni`), when building
+Each is None when the CPU lacks its instructions (`Cpu.bf16`, `Cpu.vnni`, `Cpu.avx512`), when building
 fails (logged once), or with `HCACHE_COMPILE=0`: callers keep their library path."""
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ _UNBUILT = object()
 _attention: Callable[..., torch.Tensor] | object | None = _UNBUILT
 _int8: Callable[..., torch.Tensor] | object | None = _UNBUILT
 _int4: Callable[..., torch.Tensor] | object | None = _UNBUILT
+_decode: Callable[..., torch.Tensor] | object | None = _UNBUILT
 
 
 def attention_bf16() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None:
@@ -50,6 +55,23 @@ def attention_bf16() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, floa
                 op = "hcache_kernels.causal_attention_bf16"
                 _attention = _build("attention_bf16", "-mavx512bf16", op) if COMPILE and cpu().bf16 else None
     return _attention  # type: ignore[return-value]
+
+
+DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def decode_attention() -> Callable[..., torch.Tensor] | None:
+    """`op(q [B, H, D], k [N, KvH, D], v, rows [B, W], lengths [B], scale) -> [B, H*D]`: each
+    sequence's new token over its first `lengths[b]` keys, pool rows `rows[b]` (int64); q
+    float32 or bfloat16, the pools bfloat16 or float32, head dims contiguous, D one of
+    `DECODE_HEAD_DIMS`; the output in q's dtype."""
+    global _decode
+    if _decode is _UNBUILT:
+        with _lock:
+            if _decode is _UNBUILT:
+                op = "hcache_decode.decode_attention"
+                _decode = _build("decode_attention", "-mavx512dq", op) if COMPILE and cpu().avx512 else None
+    return _decode  # type: ignore[return-value]
 
 
 def int8_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor] | None:

@@ -28,7 +28,8 @@ class KVCache:
         self.device = torch.device(device)
         self.length = 0  # tokens committed in every layer
         self._pending = 0  # tokens of the forward in progress
-        self._mask: torch.Tensor | None = None  # a one-token forward's `decode_mask`, for its layers
+        # a one-token forward's key rows and length (`decode_attention`), for its layers
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self.k = [self._empty(capacity) for _ in range(cfg.num_layers)]
         self.v = [self._empty(capacity) for _ in range(cfg.num_layers)]
 
@@ -58,12 +59,12 @@ class KVCache:
             self.length = start
         self.reserve(n)
         self._pending = n
-        self._mask = None
+        self._rows = None
 
     def commit(self) -> None:
         self.length += self._pending
         self._pending = 0
-        self._mask = None
+        self._rows = None
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int | None = None) -> None:
         s = self.length if start is None else start
@@ -96,10 +97,9 @@ class KVCache:
         self.write(layer, k, v)
         if t == 1:
             n = self.length + 1
-            keys, values = self.layer_kv(layer, key_width(n))
-            if self._mask is None:
-                self._mask = decode_mask(torch.tensor([n], device=q.device), keys.shape[0])
-            return decode_attention(q, keys[None], values[None], self._mask, scale)
+            if self._rows is None:
+                self._rows = torch.arange(key_width(n), device=q.device)[None], torch.tensor([n], device=q.device)
+            return decode_attention(q, self.k[layer], self.v[layer], *self._rows, scale)
         keys, values = self.layer_kv(layer, self.length + t)
         return causal_attention(q, keys, values, scale)
 
@@ -118,22 +118,53 @@ def decode_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def decode_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rows: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """One new token per sequence: q `[B, H, D]` over keys/values `[B, W, KvH, D]`, W whole key
-    blocks, the rows past each sequence masked (`decode_mask`); returns `[B, H*D]`.
+    """One new token per sequence: q `[B, H, D]` over the K/V pools `[N, KvH, D]`, sequence b's
+    keys at pool rows `rows[b]` (`[B, W]`, W whole key blocks), of which it attends to the
+    first `lengths[b]`; returns `[B, H*D]`.
     Every decode path (alone or batched, eager or inside the compiled step) comes here so
-    that a sequence's bits depend neither on its batch nor on the path. On a CPU that is
-    `_decode_reductions`, compiled even when called eagerly; elsewhere torch's SDPA, a KV head's
-    query heads as that head's query rows (K/V never repeated) in the keys' dtype."""
-    b, _, kvh, d = keys.shape
+    that a sequence's bits depend neither on its batch nor on the path. On a CPU with
+    AVX-512 that is our kernel (`native.decode_attention`), which reads the rows where they
+    lie; on other CPUs `_decode_rows`, compiled even when called eagerly; elsewhere torch's
+    SDPA over the gathered rows, a KV head's query heads as that head's query rows (K/V
+    never repeated) in the keys' dtype."""
+    d = k.shape[2]
     scale = d**-0.5 if scale is None else scale
     if q.device.type == "cpu":
-        attend = _decode_reductions if torch.compiler.is_compiling() else _compiled_decode(q, keys)
-        return attend(q, keys, values, mask, scale)
+        op = native.decode_attention()
+        if op is not None and d in native.DECODE_HEAD_DIMS:
+            return op(q, k, v, rows, lengths, scale)
+        attend = _decode_rows if torch.compiler.is_compiling() else _compiled_decode(q, k)
+        return attend(q, k, v, rows, lengths, scale)
+    keys, values, mask = _gathered(k, v, rows, lengths)
+    b, _, kvh, d = keys.shape
     qg = q.to(keys.dtype).view(b, kvh, -1, d)
     out = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale)
     return out.reshape(b, -1).to(q.dtype)
+
+
+def _gathered(
+    k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each sequence's K/V rows `[B, W, KvH, D]` and which it attends to (`decode_mask`)."""
+    (b, w), flat = rows.shape, rows.reshape(-1)
+    keys = k.index_select(0, flat).view(b, w, *k.shape[1:])
+    return keys, v.index_select(0, flat).view(b, w, *v.shape[1:]), decode_mask(lengths, w)
+
+
+def _decode_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`decode_attention` on a CPU without our kernel: the rows gathered and attended by
+    `_decode_reductions`, which inductor fuses into a few loops."""
+    keys, values, mask = _gathered(k, v, rows, lengths)
+    return _decode_reductions(q, keys, values, mask, scale)
 
 
 def _decode_reductions(
@@ -158,16 +189,16 @@ def _decode_reductions(
 _compiled: dict[tuple, Callable[..., torch.Tensor]] = {}
 
 
-def _compiled_decode(q: torch.Tensor, keys: torch.Tensor) -> Callable[..., torch.Tensor]:
-    """`_decode_reductions` compiled for eager callers, who then run the kernels the compiled
+def _compiled_decode(q: torch.Tensor, k: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """`_decode_rows` compiled for eager callers, who then run the kernels the compiled
     step inlines, not eager ops that sum in another order. Shapes are dynamic; each head
     layout and dtype pair gets a copy of its own, so that models served side by side (or a
     test session's many) never reach dynamo's limit of graphs per function."""
-    key = (q.dtype, keys.dtype, q.shape[1], *keys.shape[2:])
+    key = (q.dtype, k.dtype, q.shape[1], *k.shape[1:])
     if key not in _compiled:
         import torch._inductor.inductor_prims  # registers the prim
 
-        _compiled[key] = torch.compile(own_code(_decode_reductions, *key), dynamic=True, fullgraph=True)
+        _compiled[key] = torch.compile(own_code(_decode_rows, *key), dynamic=True, fullgraph=True)
     return _compiled[key]
 
 

@@ -3,9 +3,9 @@ through every layer and the LM head in one graph.
 
 K/V live in per-layer pools of 64-token blocks, token-major `[rows, kv_heads, head_dim]`;
 a sequence's blocks are a row of a block table. Inside the graph each layer writes the
-new token's K/V to its pool row, gathers every sequence's rows in whole key blocks
-(padded to the longest, the padding masked) and attends in one call (`decode_attention`:
-a sequence's bits do not depend on its batch), a KV head's query heads as that head's
+new token's K/V to its pool row and attends over every sequence's rows, whole key blocks
+as a row of pool rows (padded to the longest, the padding unread), in one call
+(`decode_attention`: a sequence's bits do not depend on its batch), a KV head's query heads as that head's
 query rows so K/V are never repeated. Eager, the same step is about 450 small ops and
 their Python dispatch; compiled, inductor fuses the elementwise chains around the
 matmul kernels and the step pays one guard check.
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from hcache.kernels.fused import own_code
-from hcache.model.attention import KEY_BLOCK, decode_attention, decode_mask, key_width
+from hcache.model.attention import KEY_BLOCK, decode_attention, key_width
 from hcache.model.base import DecoderModel
 
 log = logging.getLogger(__name__)
@@ -45,18 +45,18 @@ class StepOut:
 class Paged:
     """The cache contract (model/cache.py) for one decode step over per-layer pools `k`, `v`
     (eager, or inside the traced step): `rows` `[B]` is where each sequence's new K/V go,
-    `keys(pool)` its K/V rows `[B, width, kv_heads, head_dim]` (whole key blocks, the new
-    token's included) and `mask` which of them it attends to (`decode_mask`)."""
+    `keys` `[B, width]` its K/V's pool rows (whole key blocks, the new token's included) and
+    `lengths` `[B]` how many of them it attends to (`decode_attention`)."""
 
     def __init__(
         self,
         k: list[torch.Tensor],
         v: list[torch.Tensor],
         rows: torch.Tensor,
-        keys: Callable[[torch.Tensor], torch.Tensor],
-        mask: torch.Tensor,
+        keys: torch.Tensor,
+        lengths: torch.Tensor,
     ):
-        self.k, self.v, self.rows, self.keys, self.mask = k, v, rows, keys, mask
+        self.k, self.v, self.rows, self.keys, self.lengths = k, v, rows, keys, lengths
         self.new: list[torch.Tensor] = []  # per layer, the rows written: [B, 2, kv_dim]
 
     def begin(self, n: int, start: int | None = None) -> None:
@@ -73,7 +73,7 @@ class Paged:
         pk.index_copy_(0, self.rows, k)
         pv.index_copy_(0, self.rows, v)
         self.new.append(torch.stack((k, v), 1).flatten(2))
-        return decode_attention(q, self.keys(pk), self.keys(pv), self.mask, scale)
+        return decode_attention(q, pk, pv, self.keys, self.lengths, scale)
 
 
 def _forward(
@@ -103,9 +103,8 @@ def _step_one(
     which the first `length` are held and the next takes the new token's K/V: attention
     reads them where they lie."""
     rows = torch.full((1,), start + length, dtype=torch.long, device=tokens.device)
-    kvh, d = k[0].shape[1:]
-    mask = decode_mask(torch.full((1,), length + 1, device=tokens.device), width)
-    cache = Paged(k, v, rows, lambda pool: pool.narrow(0, start, width).view(1, width, kvh, d), mask)
+    keys = (torch.arange(width, device=tokens.device) + start)[None]
+    cache = Paged(k, v, rows, keys, torch.full((1,), length + 1, device=tokens.device))
     return _forward(model, tokens, positions, cache)
 
 
@@ -120,16 +119,12 @@ def _step_batch(
 ) -> tuple[torch.Tensor, ...]:
     """Sequences of `lengths` `[B]` rows before this token, their blocks a row of `table`
     `[B, blocks]` (as many blocks as the longest needs with its new token, shorter rows
-    padded with any valid block). Each layer gathers every sequence's rows, the table's
-    whole width, the rows past each sequence masked."""
+    padded with any valid block). Each layer attends over every sequence's rows, the table's
+    whole width, those past each sequence unread."""
     b, dev = tokens.shape[0], tokens.device
-    kvh, d = k[0].shape[1:]
     all_rows = (table[:, :, None] * BLOCK_TOKENS + torch.arange(BLOCK_TOKENS, device=dev)).view(b, -1)
-    width = all_rows.shape[1]
-    flat = all_rows.reshape(-1)
     rows = all_rows.gather(1, lengths[:, None]).view(b)
-    mask = decode_mask(lengths + 1, width)
-    cache = Paged(k, v, rows, lambda pool: pool.index_select(0, flat).view(b, width, kvh, d), mask)
+    cache = Paged(k, v, rows, all_rows, lengths + 1)
     return _forward(model, tokens, positions, cache)
 
 
