@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,27 +38,51 @@ from hcache.kernels.cpu import cpu
 log = logging.getLogger(__name__)
 
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"]
-_lock = threading.Lock()
-_UNBUILT = object()
-_attention: Callable[..., torch.Tensor] | object | None = _UNBUILT
-_int8: Callable[..., torch.Tensor] | object | None = _UNBUILT
-_int4: Callable[..., torch.Tensor] | object | None = _UNBUILT
-_decode: Callable[..., torch.Tensor] | object | None = _UNBUILT
+DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+class _Kernel:
+    """One source file's ops, built on the first `get` (or by `build_all`), once."""
+
+    def __init__(self, name: str, isa: str, op: str, runs_here: Callable[[], bool]):
+        self.name, self.isa, self.op, self.runs_here = name, isa, op, runs_here
+        self._lock = threading.Lock()
+        self._done = False
+        self._op: Callable[..., torch.Tensor] | None = None
+
+    def get(self) -> Callable[..., torch.Tensor] | None:
+        if not self._done:  # every layer of every forward asks: the lock only until built
+            with self._lock:
+                if not self._done:
+                    self._op = _build(self.name, self.isa, self.op) if COMPILE and self.runs_here() else None
+                    self._done = True
+        return self._op
+
+
+_ATTENTION = _Kernel("attention_bf16", "-mavx512bf16", "hcache_kernels.causal_attention_bf16", lambda: cpu().bf16)
+_INT8 = _Kernel("int8_gemm", "-mavx512vnni", "hcache_int8.int8_mm", lambda: cpu().vnni)
+_INT4 = _Kernel("int4_gemm", "-mavx512vnni", "hcache_int4.int4_linear", lambda: cpu().vnni)
+_DECODE = _Kernel("decode_attention", "-mavx512dq", "hcache_decode.decode_attention", lambda: cpu().avx512)
+KERNELS = (_INT8, _INT4, _ATTENTION, _DECODE)
+
+
+def build_all() -> list[threading.Thread]:
+    """Build every kernel this CPU takes, each on a thread of its own: the compilers run as
+    child processes, so on a first start they overlap each other and the model's loading,
+    and the start pays about the slowest build, not their sum. A kernel's getter waits for
+    its build."""
+    threads = []
+    for k in KERNELS:
+        if COMPILE and k.runs_here() and not k._done:
+            threads.append(threading.Thread(target=k.get, name=f"build-{k.name}", daemon=True))
+            threads[-1].start()
+    return threads
 
 
 def attention_bf16() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None:
     """`op(q [T, H, D], k [S, KvH, D], v, scale) -> [T, H*D]`, all bfloat16 on the CPU, head
     dims contiguous and a multiple of 16 up to 128; the last T positions attend causally."""
-    global _attention
-    if _attention is _UNBUILT:  # every layer of every forward asks: the lock only until built
-        with _lock:
-            if _attention is _UNBUILT:
-                op = "hcache_kernels.causal_attention_bf16"
-                _attention = _build("attention_bf16", "-mavx512bf16", op) if COMPILE and cpu().bf16 else None
-    return _attention  # type: ignore[return-value]
-
-
-DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)
+    return _ATTENTION.get()
 
 
 def decode_attention() -> Callable[..., torch.Tensor] | None:
@@ -65,24 +90,13 @@ def decode_attention() -> Callable[..., torch.Tensor] | None:
     sequence's new token over its first `lengths[b]` keys, pool rows `rows[b]` (int64); q
     float32 or bfloat16, the pools bfloat16 or float32, head dims contiguous, D one of
     `DECODE_HEAD_DIMS`; the output in q's dtype."""
-    global _decode
-    if _decode is _UNBUILT:
-        with _lock:
-            if _decode is _UNBUILT:
-                op = "hcache_decode.decode_attention"
-                _decode = _build("decode_attention", "-mavx512dq", op) if COMPILE and cpu().avx512 else None
-    return _decode  # type: ignore[return-value]
+    return _DECODE.get()
 
 
 def int8_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor] | None:
     """`op(a, tiles, sums, scales, zero) -> (a - zero) @ w.T * scales`, float32 `[M, N]`, for
     uint8 activations `a [M, K]` and the weight rows `w [N, K]` in `int8_pack`'s tiles."""
-    global _int8
-    if _int8 is _UNBUILT:
-        with _lock:
-            if _int8 is _UNBUILT:
-                _int8 = _build("int8_gemm", "-mavx512vnni", "hcache_int8.int8_mm") if COMPILE and cpu().vnni else None
-    return _int8  # type: ignore[return-value]
+    return _INT8.get()
 
 
 def int4_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
@@ -90,13 +104,7 @@ def int4_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
     `x [M, K]` (each row quantized to two int8 passes inside, as `quant.int8_rows_mm` does) and the int4
     groups `w = (q - 8) * scale + zero` of `[N, K]`, the nibbles in `int4_pack`'s tiles, scale
     and zero bfloat16 `[K / 32, N, 2]`."""
-    global _int4
-    if _int4 is _UNBUILT:
-        with _lock:
-            if _int4 is _UNBUILT:
-                op = "hcache_int4.int4_linear"
-                _int4 = _build("int4_gemm", "-mavx512vnni", op) if COMPILE and cpu().vnni else None
-    return _int4  # type: ignore[return-value]
+    return _INT4.get()
 
 
 def int4_pack(q: torch.Tensor) -> torch.Tensor:
@@ -121,7 +129,9 @@ def _build(name: str, isa: str, op: str) -> Callable[..., torch.Tensor] | None:
         # torch rebuilds when a source or a flag changes, and it hashes no header: ours go in a flag
         headers = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h"))))
         flags = [*_FLAGS, isa, f"-DHCACHE_HEADERS={headers.hexdigest()[:16]}"]
+        t0 = time.perf_counter()
         load(f"hcache_{name}", [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False)
+        log.info("kernel %s ready in %.1f s", name, time.perf_counter() - t0)
         namespace, fn = op.split(".")
         return getattr(getattr(torch.ops, namespace), fn)
     except Exception as e:  # no compiler, or one without the ISA: the library path serves

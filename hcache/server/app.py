@@ -25,6 +25,7 @@ from hcache.config import Config
 from hcache.engine.block_pool import resident_kv_dtype
 from hcache.engine.engine import Engine
 from hcache.engine.telemetry import Telemetry
+from hcache.kernels import native
 from hcache.kernels.cpu import cpu
 from hcache.model.loader import LoadedModel, load
 from hcache.restore import profiler
@@ -82,6 +83,7 @@ def build_engine(
     if profile is None and cfg.profile:
         profile = Profile.load(Path(cfg.profile))  # before the model: a bad path fails at once
     log.info(cpu().describe())
+    native.build_all()  # our kernels compile (first start only) while the model loads
     if loaded is None:
         with _step(f"loading {cfg.model} ({cfg.dtype}, weights {cfg.weights})"):
             loaded = load(cfg.model, cfg.dtype, cfg.device, cfg.weights)

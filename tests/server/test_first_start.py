@@ -15,6 +15,7 @@ import pytest
 from engine_helpers import free_port, http_get, profile_for
 
 from hcache.client import Client, wait_for_server
+from hcache.kernels import COMPILE, native
 from hcache.kernels.cpu import cpu
 
 pytestmark = pytest.mark.model
@@ -66,4 +67,7 @@ def test_a_first_start_serves_while_the_decode_step_compiles(tmp_path, default_m
     for what in ("loading default", "compiling the prefill and restore kernels", "starting the engine"):
         assert any(s.startswith(what) and "done in" in s for s in steps), (what, log)
     assert "compiling the decode step in the background" in log
+    # our kernels build together on threads of their own while the model loads, each logged
+    for k in native.KERNELS:
+        assert (f"kernel {k.name} ready in" in log) == (COMPILE and k.runs_here()), (k.name, log)
     assert f'cpu="{cpu().kind}"' in metrics and "hcache_cpu_info" in metrics
