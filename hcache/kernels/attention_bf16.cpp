@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec_math.h"
+
 namespace {
 
 constexpr int64_t ROWS = 96;   // grouped query rows per work item: 6 vectors of 16
@@ -26,24 +28,11 @@ constexpr int64_t SPLIT = 1024;  // keys per work item
 constexpr float FLOOR = -115.f;  // 2**-115 and below: invisible beside a row's largest term
 constexpr float NONE = -1e30f;   // a running maximum before any key was seen
 
-inline __m512 exp2_ps(__m512 x) {
-  // 2**x = 2**n * 2**f, n = round(x), |f| <= 1/2 (Cephes' exp2f polynomial)
-  __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // 2**x where x >= FLOOR, else exactly 0 (masked keys are -inf)
 inline __m512 exp2_or_zero(__m512 x) {
   __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(FLOOR), _CMP_GE_OQ);
-  return _mm512_maskz_mov_ps(keep, exp2_ps(_mm512_max_ps(x, _mm512_set1_ps(FLOOR))));
+  return _mm512_maskz_mov_ps(keep, hcache::exp2_ps(_mm512_max_ps(x, _mm512_set1_ps(FLOOR))));
 }
 
 inline uint32_t pair(const at::BFloat16* p) {

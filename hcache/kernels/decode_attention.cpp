@@ -19,25 +19,13 @@
 #include <cstdint>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
 constexpr int64_t SPLIT = 512;  // keys per work item
 constexpr float LOG2E = 1.4426950408889634f;
 
-inline __m512 exp2_ps(__m512 x) {
-  // 2**x = 2**n * 2**f, n = round(x), |f| <= 1/2 (Cephes' exp2f polynomial); x >= -126
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
-  __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // 16 float32 (or bfloat16, widened) values
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -108,12 +96,13 @@ void span(const Shape& sh, const float* q, const KT* kp, const KT* vp, const int
     const __m512 mv = _mm512_set1_ps(mh);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < full; j += 16) {
-      const __m512 p = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+      const __m512 p = hcache::exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
       _mm512_storeu_ps(s + j, p);
       sum = _mm512_add_ps(sum, p);
     }
     if (tail) {
-      const __m512 p = _mm512_maskz_mov_ps(tail, exp2_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + full), mv)));
+      const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + full), mv);
+      const __m512 p = _mm512_maskz_mov_ps(tail, hcache::exp2_ps(x));
       _mm512_mask_storeu_ps(s + full, tail, p);
       sum = _mm512_add_ps(sum, p);
     }
