@@ -270,7 +270,8 @@ def _widened(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     n = k.numel()
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < 2 * n:
-        buf = _scratch.buf = torch.empty(2 * max(n, 1 << 20))
+        with torch.inference_mode(False):  # a normal tensor: callers in and out of inference mode fill it
+            buf = _scratch.buf = torch.empty(2 * max(n, 1 << 20))
     kf, vf = buf[:n].view(k.shape), buf[n : 2 * n].view(v.shape)
     return kf.copy_(k), vf.copy_(v)
 

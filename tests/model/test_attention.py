@@ -53,6 +53,17 @@ def test_each_cpu_kinds_path_over_a_bfloat16_cache_matches_the_reference(monkeyp
         assert torch.equal(out, causal_attention(q.float(), k.float(), v.float()).bfloat16())
 
 
+def test_the_float32_path_serves_callers_in_and_out_of_inference_mode(monkeypatch):
+    """Its widened K/V reuse one buffer per thread: made under an engine's inference mode, it
+    must still take a copy from a caller outside it (a test, a benchmark)."""
+    monkeypatch.setattr(attention, "_PATH", "float32")
+    monkeypatch.setattr(attention._scratch, "buf", None, raising=False)
+    q, k, v = torch.randn(3, 9, 64).bfloat16(), torch.randn(20, 3, 64).bfloat16(), torch.randn(20, 3, 64).bfloat16()
+    with torch.inference_mode():
+        inside = causal_attention(q, k, v)
+    assert torch.equal(causal_attention(q, k, v), inside)
+
+
 def test_a_query_never_sees_a_later_key():
     q = torch.randn(4, 2, 8)
     k, v = torch.randn(10, 2, 8), torch.randn(10, 2, 8)
