@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hcache.kernels import native
 from hcache.kernels.fused import own_code
 from hcache.model.attention import KEY_BLOCK, decode_attention, key_width
 from hcache.model.base import DecoderModel
@@ -188,6 +189,8 @@ class DecodeGraph:
         import torch._inductor.inductor_prims  # registers the prim decode_attention realizes q with
 
         torch._inductor.config.emulate_precision_casts = True  # the eager forms' roundings
+        if model.device.type == "cpu":
+            native.decode_attention()  # built before a trace reaches it: dynamo cannot enter its lock
         self.model = model
         self._one, self._batch = _compiled_steps(model)
         # the model's float attributes (an epsilon per norm) traced as constants, not as
