@@ -93,7 +93,8 @@ def agrees_up_to_ties(
             top = model.logits(h[-1]).float().topk(2)
         first, second = top.indices.tolist()
         gap = (top.values[0] - top.values[1]).item()
-        assert (first, second) == (ref[i], got[done + i]) and gap <= tie, (
+        # a near-tie: the one-pass forward may order the two either way too
+        assert {first, second} == {ref[i], got[done + i]} and gap <= tie, (
             f"token {done + i}: got {got[done + i]}, greedy {ref[i]} by a logit gap of {gap:.4f}"
         )
         done += i + 1

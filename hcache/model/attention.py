@@ -261,7 +261,7 @@ _PATH = cpu().attention
 _MATMULS = torch.backends.mkldnn.is_available() and _PATH == "native"
 ROW_BLOCK = 128  # grouped query rows per score block: 128 x 8K float32 scores stay in cache
 MATMUL_MIN_KEYS = 1536  # below about this many prefix keys flash's single call is the quicker
-_scratch = threading.local()  # per thread: the float32 copies of a layer's K and V
+_scratch = threading.local()  # per thread: the float32 copies of a layer's K and V, a causal mask
 
 
 def _widened(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,6 +274,18 @@ def _widened(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
             buf = _scratch.buf = torch.empty(2 * max(n, 1 << 20))
     kf, vf = buf[:n].view(k.shape), buf[n : 2 * n].view(v.shape)
     return kf.copy_(k), vf.copy_(v)
+
+
+def _causal_mask(t: int, prefix: int, device: torch.device) -> torch.Tensor:
+    """`[T, prefix + T]` float32, 0 where the last T positions see a key and -inf where they
+    do not (added to the scores). The last one made is kept, for a forward's other layers."""
+    key = (t, prefix, device)
+    if getattr(_scratch, "mask_key", None) != key:
+        seen = torch.ones(t, prefix + t, dtype=torch.bool, device=device).tril(diagonal=prefix)
+        with torch.inference_mode(False):
+            _scratch.mask = torch.zeros(seen.shape, device=device).masked_fill_(~seen, float("-inf"))
+        _scratch.mask_key = key
+    return _scratch.mask
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -290,7 +302,8 @@ def _ungrouped(out: torch.Tensor, t: int) -> torch.Tensor:
 
 
 def _causal_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float | None) -> torch.Tensor:
-    """Flash attention without a T x S mask: the new block attends to the prefix unmasked
+    """Flash attention. A float32 cache: one pass over every key, masked past each row's
+    position. Otherwise, without a T x S mask: the new block attends to the prefix unmasked
     (query heads grouped over their KV head) and to itself causally; the two partial
     results are merged by their log-sum-exp. A bfloat16 cache takes the CPU's path
     (`_PATH`): our AVX512-BF16 kernel (`kernels/native.py`; where it did not build,
@@ -309,6 +322,13 @@ def _causal_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, 
     if t == 1:
         out, _ = _flash(_grouped(q, kvh), kh, vh, scale=scale)
         return _ungrouped(out, t)
+    if k.dtype == torch.float32:
+        # one masked pass over every key: each row meets the key blocks of a one-pass
+        # prefill in its order, so a turn over a float32 cache (the AVX2 path's widened one
+        # included) gives the prefill's bits, which the two merged passes below do not
+        mask = _causal_mask(t, prefix, q.device)
+        out, _ = _flash(q.transpose(0, 1).unsqueeze(0), kh, vh, attn_mask=mask, scale=scale)
+        return out.squeeze(0).transpose(0, 1).reshape(t, -1)
     if _MATMULS and k.dtype == torch.bfloat16 and prefix >= MATMUL_MIN_KEYS:
         return _matmul_attention(q, k, v, prefix, scale)
     pre, lse_pre = _flash(_grouped(q, kvh), kh[:, :, :prefix], vh[:, :, :prefix], scale=scale)

@@ -64,6 +64,21 @@ def test_the_float32_path_serves_callers_in_and_out_of_inference_mode(monkeypatc
     assert torch.equal(causal_attention(q, k, v), inside)
 
 
+@pytest.mark.parametrize("cache", ["float32", "bfloat16 widened"])
+@pytest.mark.parametrize("t,s", [(30, 108), (64, 700), (200, 300)])
+def test_a_turn_over_a_float32_cache_gives_the_one_pass_bits(monkeypatch, cache, t, s):
+    """A float32 cache (and the float32 path's widened bfloat16 one, AVX2's) attends a turn
+    in one masked pass over every key: its rows get the bits the one-pass prefill gave
+    them, so a restored session's turn is the never-evicted one's."""
+    monkeypatch.setattr(attention, "_PATH", "float32")
+    dtype = torch.float32 if cache == "float32" else torch.bfloat16
+    g = torch.Generator().manual_seed(t)
+    q = torch.randn(s, 9, 64, generator=g).to(dtype)
+    pool = torch.randn(2, s, 3, 64, generator=g).to(dtype)
+    whole = causal_attention(q, pool[0], pool[1])
+    assert torch.equal(causal_attention(q[s - t :], pool[0], pool[1]), whole[s - t :])
+
+
 def test_a_query_never_sees_a_later_key():
     q = torch.randn(4, 2, 8)
     k, v = torch.randn(10, 2, 8), torch.randn(10, 2, 8)
