@@ -234,7 +234,7 @@ class BatchCache:
 
 def _decode_step(caches: list[PagedCache]) -> Paged:
     """Where each sequence's new token goes in the pool, and its rows (whole key blocks,
-    the rows past it unread) as the attention's keys."""
+    none past its own attended) as the attention's keys."""
     pool, dev = caches[0].pool, caches[0].pool.device
     lengths = [c.length + 1 for c in caches]
     width = key_width(max(lengths))

@@ -4,9 +4,9 @@ through every layer and the LM head in one graph.
 K/V live in per-layer pools of 64-token blocks, token-major `[rows, kv_heads, head_dim]`;
 a sequence's blocks are a row of a block table. Inside the graph each layer writes the
 new token's K/V to its pool row and attends over every sequence's rows, whole key blocks
-as a row of pool rows (padded to the longest, the padding unread), in one call
-(`decode_attention`: a sequence's bits do not depend on its batch), a KV head's query heads as that head's
-query rows so K/V are never repeated. Eager, the same step is about 450 small ops and
+as a row of pool rows (padded to the longest; no sequence attends past its own), in one
+call (`decode_attention`: a sequence's bits do not depend on its batch), a KV head's query
+heads as that head's query rows so K/V are never repeated. Eager, the same step is about 450 small ops and
 their Python dispatch; compiled, inductor fuses the elementwise chains around the
 matmul kernels and the step pays one guard check.
 
@@ -121,7 +121,7 @@ def _step_batch(
     """Sequences of `lengths` `[B]` rows before this token, their blocks a row of `table`
     `[B, blocks]` (as many blocks as the longest needs with its new token, shorter rows
     padded with any valid block). Each layer attends over every sequence's rows, the table's
-    whole width, those past each sequence unread."""
+    whole width, none past each sequence's own."""
     b, dev = tokens.shape[0], tokens.device
     all_rows = (table[:, :, None] * BLOCK_TOKENS + torch.arange(BLOCK_TOKENS, device=dev)).view(b, -1)
     rows = all_rows.gather(1, lengths[:, None]).view(b)
