@@ -139,8 +139,8 @@ class DecoderModel(nn.Module, ABC):
         """Identifies what stored state depends on: geometry, dtype and the weights themselves
         (a strided sample of every tensor, so loading a 7B model does not hash 14 GB). An int8
         matrix counts by its scales and bias alone: its rows live in whichever packed form
-        this CPU runs (our tiles, oneDNN's opaque copy, or the rows), which give the same
-        bits, so replicas on other CPU kinds share its sessions."""
+        this CPU runs (our tiles, oneDNN's opaque copy, or the rows), all the same weights,
+        so replicas on other CPU kinds share its sessions."""
         h = hashlib.sha256(json.dumps(self.cfg.fingerprint_fields(), sort_keys=True).encode())
         h.update(str(self.dtype).encode())
         packed = [n for n, m in self.named_modules() if isinstance(m, Int8Linear)]

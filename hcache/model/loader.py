@@ -118,7 +118,9 @@ def _pack_int8(model: DecoderModel) -> None:
     embedding = getattr(model.embed_tokens, "rows", None)
     for mod in list(model.modules()):
         if isinstance(mod, Int8Linear) and (mod is not embedding or mod is model.lm_head):
-            mod.pack(keep_rows=mod is embedding)
+            # the head keeps two passes per row: greedy decoding compares its logits, and
+            # one coarse pass lets a last-bit difference upstream move a logit by a step
+            mod.pack(keep_rows=mod is embedding, groups=mod is not model.lm_head)
 
 
 def auto_weights(path: Path, device: str = "cpu", reader: GGUFReader | None = None) -> str:

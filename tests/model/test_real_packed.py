@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from hcache.kernels import native
+from hcache.model import attention
 from hcache.model.loader import auto_weights
 from hcache.model.quality import logits_of, perplexity
 from hcache.model.quant import Int4Linear, Int8Embedding, Int8Linear, Int8Rows
@@ -36,4 +38,5 @@ def test_served_0_5b_model_is_within_1_percent_of_its_float_oracle(qwen, qwen_pa
     got = logits_of(qwen_packed.model, ids, torch.bfloat16)
     assert (got.argmax(-1) == oracle.argmax(-1)).float().mean().item() > 0.9
     ppl_float, ppl_packed = perplexity(qwen.model, ids), perplexity(qwen_packed.model, ids, torch.bfloat16)
-    assert abs(ppl_packed / ppl_float - 1) < 0.01, (ppl_packed, ppl_float)
+    kernels = {k.name: k.get() is not None for k in native.KERNELS}  # which paths computed it
+    assert abs(ppl_packed / ppl_float - 1) < 0.01, (ppl_packed, ppl_float, kernels, attention._PATH)
