@@ -11,7 +11,7 @@ import torch
 from hcache.kernels import native
 from hcache.model import attention
 from hcache.model.loader import auto_weights
-from hcache.model.quality import logits_of, perplexity
+from hcache.model.quality import logits_of, perplexity_of
 from hcache.model.quant import Int4Linear, Int8Embedding, Int8Linear, Int8Rows
 
 TEXT = Path(__file__).parent.parent / "data" / "perplexity.txt"
@@ -32,11 +32,15 @@ def test_a_k_quant_file_runs_packed_in_its_own_bytes(qwen_packed):
 
 def test_served_0_5b_model_is_within_1_percent_of_its_float_oracle(qwen, qwen_packed):
     """Served: packed weights over a bfloat16 KV cache. 90% of greedy tokens the same and
-    perplexity within 1%, the bounds the default model meets."""
+    perplexity within 1%, the bounds the default model meets. A prefill's rows take the
+    compiled RMSNorm (`kernels/fused.py`), as `bench/peers.py` measures it; a server started
+    earlier in this process leaves the stance that would run it eager, whose sums differ in a
+    last bit now and then, which moves this text's perplexity by a few tenths of a percent."""
     ids = qwen.tokenizer.encode(TEXT.read_text())
-    oracle = logits_of(qwen.model, ids)
-    got = logits_of(qwen_packed.model, ids, torch.bfloat16)
+    with torch.compiler.set_stance("default"):
+        oracle = logits_of(qwen.model, ids)
+        got = logits_of(qwen_packed.model, ids, torch.bfloat16)
     assert (got.argmax(-1) == oracle.argmax(-1)).float().mean().item() > 0.9
-    ppl_float, ppl_packed = perplexity(qwen.model, ids), perplexity(qwen_packed.model, ids, torch.bfloat16)
+    ppl_float, ppl_packed = perplexity_of(oracle, ids), perplexity_of(got, ids)
     kernels = {k.name: k.get() is not None for k in native.KERNELS}  # which paths computed it
     assert abs(ppl_packed / ppl_float - 1) < 0.01, (ppl_packed, ppl_float, kernels, attention._PATH)
