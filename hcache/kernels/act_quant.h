@@ -15,9 +15,20 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace hcache {
+
+// `f(std::integral_constant<int, R>)` for R = min(left, MR): a GEMM's micro-kernel holds R
+// activation rows in registers, so each row count up to MR is its own instantiation
+template <int MR, typename F>
+inline void with_rows(int left, F&& f) {
+  if constexpr (MR > 1) {
+    if (left < MR) return with_rows<MR - 1>(left, f);
+  }
+  f(std::integral_constant<int, MR>{});
+}
 
 inline __mmask16 lanes_left(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
 

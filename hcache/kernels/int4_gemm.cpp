@@ -122,14 +122,6 @@ void micro(const Operands& o, int64_t r, int64_t t0, int nt) {
     for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(o.out + (r + m) * o.n + (t0 + j) * LANES, mask[j], sum[m][j]);
 }
 
-template <int MR>
-void rows(const Operands& o, int64_t r, int64_t t0, int nt, int left) {
-  if constexpr (MR > 1) {
-    if (left < MR) return rows<MR - 1>(o, r, t0, nt, left);
-  }
-  micro<MR>(o, r, t0, nt);
-}
-
 // `x @ w.T`, float32 [M, N], for float32 or bfloat16 x [M, K] and the int4 groups `w = (q - 8) * scale +
 // zero` of [N, K], the nibbles packed by `pack`, scale_zeros bfloat16 [K / 32, N, 2]. Each row
 // of x is quantized on its own in two int8 passes (act_quant.h), and the two results meet as
@@ -175,7 +167,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     for (int64_t t = b; t < e; ++t) {
       const int nt = int(std::min<int64_t>(NR, tiles - t * NR));
       for (int64_t r = 0; r < rows2; r += MR_MAX)
-        rows<MR_MAX>(o, r, t * NR, nt, int(std::min<int64_t>(MR_MAX, rows2 - r)));
+        hcache::with_rows<MR_MAX>(int(std::min<int64_t>(MR_MAX, rows2 - r)),
+                                  [&](auto mr) { micro<decltype(mr)::value>(o, r, t * NR, nt); });
     }
   });
   return hcache::combine_passes(y, scales.data());

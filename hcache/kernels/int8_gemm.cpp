@@ -94,15 +94,6 @@ void micro(const uint8_t* a, int64_t k, const int8_t* w, int64_t t0, int nt, int
   }
 }
 
-template <int MR>
-void rows(const uint8_t* a, int64_t k, const int8_t* w, int64_t t0, int nt, int64_t n, const int32_t* comp,
-          const uint16_t* scale, int32_t zero, float* out, int left) {
-  if constexpr (MR > 1) {
-    if (left < MR) return rows<MR - 1>(a, k, w, t0, nt, n, comp, scale, zero, out, left);
-  }
-  micro<MR>(a, k, w, t0, nt, n, comp, scale, zero, out);
-}
-
 // `(a - zero) @ w.T * scale`: a uint8 [M, K], w packed by `pack` for N rows, comp its row
 // sums, scale bfloat16 [N] -> float32 [M, N]
 at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& comp, const at::Tensor& scale,
@@ -127,8 +118,9 @@ at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& c
       for (int64_t g = b; g < e; ++g) {
         const int nt = int(std::min<int64_t>(NR, tiles - g * NR));
         for (int64_t r = r0; r < std::min(m, r0 + block); r += MR_MAX)
-          rows<MR_MAX>(ap + r * k, k, wp, g * NR, nt, n, cp, sp, int32_t(zero), op + r * n,
-                       int(std::min<int64_t>(MR_MAX, m - r)));
+          hcache::with_rows<MR_MAX>(int(std::min<int64_t>(MR_MAX, m - r)), [&](auto mr) {
+            micro<decltype(mr)::value>(ap + r * k, k, wp, g * NR, nt, n, cp, sp, int32_t(zero), op + r * n);
+          });
       }
   });
   return out;
@@ -226,14 +218,6 @@ void group_micro(const GroupOperands& o, int64_t r, int64_t t0, int nt) {
   }
 }
 
-template <int MR>
-void group_rows(const GroupOperands& o, int64_t r, int64_t t0, int nt, int left) {
-  if constexpr (MR > 1) {
-    if (left < MR) return group_rows<MR - 1>(o, r, t0, nt, left);
-  }
-  group_micro<MR>(o, r, t0, nt);
-}
-
 // `x @ w.T`, float32 [M, N], for float32 or bfloat16 x [M, K] (K a multiple of 32), each row
 // quantized a group of 32 at a time in one 8-bit pass, and the rows of w in `pack_groups`'
 // tiles with a bfloat16 scale each
@@ -277,7 +261,8 @@ at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& w, const at:
       for (int64_t t = b; t < e; ++t) {
         const int nt = int(std::min<int64_t>(GNR, tiles - t * GNR));
         for (int64_t r = r0; r < std::min(m, r0 + block); r += GMR_MAX)
-          group_rows<GMR_MAX>(o, r, t * GNR, nt, int(std::min<int64_t>(GMR_MAX, m - r)));
+          hcache::with_rows<GMR_MAX>(int(std::min<int64_t>(GMR_MAX, m - r)),
+                                     [&](auto mr) { group_micro<decltype(mr)::value>(o, r, t * GNR, nt); });
       }
   });
   return out;

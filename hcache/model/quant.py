@@ -157,7 +157,6 @@ class Int8Linear(_Bf16Scales):
         self.register_buffer("sums", None)  # and each row's sum
         self._handle: int | None = None  # `pack_for_onednn`'s copy, in `_ONEDNN`
         self._bits = 8  # oneDNN's activations'
-        self.groups = False  # `pack_native(groups=True)`'s: one pass per group of 32
         self.packed_bytes = 0  # bytes held outside the module's tensors (oneDNN's copy)
 
     @classmethod
@@ -179,6 +178,11 @@ class Int8Linear(_Bf16Scales):
     def is_packed(self) -> bool:
         return self.tiles is not None or self._handle is not None
 
+    @property
+    def groups(self) -> bool:
+        """Whether `pack_native(groups=True)` packed it: its tiles hold the rows plus 128."""
+        return self.tiles is not None and self.tiles.dtype == torch.uint8
+
     def pack(self, keep_rows: bool = False, groups: bool = False) -> bool:
         """The rows into the fastest packed form this CPU has; False where none is.
         `groups`: on our kernel, activations in one pass per group of 32 (`pack_native`)."""
@@ -196,7 +200,7 @@ class Int8Linear(_Bf16Scales):
         if native.int8_gemm() is None or self.in_features % 4 or self._handle is not None:
             return False
         if groups and self.in_features % GROUP == 0:
-            self.tiles, self.groups = native.int8_pack_groups(self.q), True
+            self.tiles = native.int8_pack_groups(self.q)
         else:
             self.tiles, self.sums = native.int8_pack(self.q)
         self.q = self.q.new_empty((self.out_features, 0))
