@@ -97,7 +97,17 @@ class OwnerReader:
         )
         self._planning, self._fresh = threading.Lock(), True
         self._next = next(self._plan, None)
+        # the first layer's requests are read alone: beside the later ones they would share
+        # the device, and the consumer waits on the first layer with nothing else to do. The
+        # later ones are queued all the same (a close still drains them) and wait in `_run`.
+        self._opening = self._next.min_layer if self._next is not None else None
+        self._opening_left = 0
+        self._opened = threading.Event()
         self._issue()
+        with self._lock:
+            self._opening = None
+            if self._opening_left == 0:
+                self._opened.set()
 
     def _issue(self) -> None:
         """Submit requests whose first layer is inside the window: `window` layers past the
@@ -113,6 +123,10 @@ class OwnerReader:
         # the plan is made on the way, outside `_lock`, which reader threads take to start
         with self._planning:
             while (q := self._next) is not None and q.min_layer < horizon:
+                if q.min_layer == self._opening:
+                    with self._lock:
+                        self._opening_left += 1
+                    q.opening = True
                 q.not_before = self.throttle.reserve(q.count * self._slot_bytes[q.slab])
                 self.pool.submit(q.dir, self._run, q)
                 if self._fresh:  # let the first reader have the GIL: the rest is planned meanwhile
@@ -123,7 +137,22 @@ class OwnerReader:
     def _run(self, q: Request) -> None:
         """On a reader thread: read the request's slots, then check them here, while the
         bytes just read are still in the CPU's cache (a verifier thread of its own would read
-        them again from memory, taking cores from a turn that runs alongside)."""
+        them again from memory, taking cores from a turn that runs alongside). A later
+        layer's request first waits for the first layer's (FIFO queues: those are taken
+        first, so the wait always ends)."""
+        if not q.opening:
+            self._opened.wait()
+            self._read(q)
+            return
+        try:
+            self._read(q)
+        finally:
+            with self._lock:
+                self._opening_left -= 1
+                if self._opening_left == 0 and self._opening is None:
+                    self._opened.set()
+
+    def _read(self, q: Request) -> None:
         shape = self.shapes[Kind(q.chunks[0].kind)]
         pool = self.pool
         buf = None

@@ -655,6 +655,43 @@ def test_reads_are_booked_in_layer_order_across_directories(dirs) -> None:
         assert [lay for lay, _ in seen] == sorted(lay for lay, _ in seen)
 
 
+def test_the_first_layers_requests_are_read_alone(dirs, monkeypatch) -> None:
+    """A restore waits on its first layer with nothing else to do: that layer's requests (one
+    per directory) are read before any later layer's, which would share the device."""
+    from hcache.storage.reader import OwnerReader
+
+    kinds = [Kind.KV] * GEOM.num_layers
+    log: list[tuple[str, int]] = []
+    lock, later_started = threading.Lock(), threading.Event()
+    read = OwnerReader._read
+
+    def logged(self, q) -> None:
+        with lock:
+            log.append(("start", q.min_layer))
+        if q.min_layer > 0:
+            later_started.set()
+        else:  # ungated, a later request would start meanwhile (8 reader threads a directory)
+            later_started.wait(0.5)
+        try:
+            read(self, q)
+        finally:
+            with lock:
+                log.append(("end", q.min_layer))
+
+    monkeypatch.setattr(OwnerReader, "_read", logged)
+    with open_store(dirs) as st:
+        st.create_owner("o", kinds, "fp")
+        save(st, "o", 0, 256, kinds)
+        st.mark_durable("o", list(range(256)))
+        r = st.reader("o")
+        for i in range(GEOM.num_layers):
+            assert torch.equal(r.get(i), expected(i, Kind.KV, 256)), f"layer {i} differs"
+    first = [i for i, (_, layer) in enumerate(log) if layer == 0]
+    later = [i for i, (_, layer) in enumerate(log) if layer > 0]
+    assert len(first) >= 2 * len(dirs) and later, log  # every directory holds a chunk of layer 0
+    assert max(first) < min(later), log
+
+
 def test_io_buffers_are_backed_by_huge_pages() -> None:
     """O_DIRECT requests are cut at the buffer's physical segments (virtio: 254 of them):
     on 4 KB pages a 32 MB read reaches the device as ~1 MB requests, on 2 MB pages at the
