@@ -118,9 +118,10 @@ def _pack_int8(model: DecoderModel) -> None:
     embedding = getattr(model.embed_tokens, "rows", None)
     for mod in list(model.modules()):
         if isinstance(mod, Int8Linear) and (mod is not embedding or mod is model.lm_head):
-            # the head keeps two passes per row: greedy decoding compares its logits, and
-            # one coarse pass lets a last-bit difference upstream move a logit by a step
-            mod.pack(keep_rows=mod is embedding, groups=mod is not model.lm_head)
+            # two passes per row everywhere: restore paths compute the same activations to
+            # within last bits, and one coarse pass per group can turn such a difference into a
+            # whole step, which moved a greedy token after a recompute restore
+            mod.pack(keep_rows=mod is embedding)
 
 
 def auto_weights(path: Path, device: str = "cpu", reader: GGUFReader | None = None) -> str:

@@ -8,9 +8,11 @@
 - `Int8Linear`: per-row symmetric int8 on our AVX512-VNNI kernel, else oneDNN's int8 GEMM
   (`_weight_int8pack_mm` without oneDNN), for GGUF's 5- to 8-bit blocks (Q5_0, Q5_1, Q5_K,
   Q6_K, Q8_0), whose 32-weight scales no packed kernel takes: each row is requantized to
-  int8 at its own scale, half a step of rounding; and for the LM head. Inside the layers our
-  kernel quantizes the activations in one 8-bit pass per group of 32 (`int8_groups_mm`);
-  the head, and every other path, in two passes per row (`int8_rows_mm`).
+  int8 at its own scale, half a step of rounding; and for the LM head. Every path
+  quantizes the activations in two passes per row (`int8_rows_mm`). Our kernel can also take
+  one 8-bit pass per group of 32 (`int8_groups_mm`, `pack_native(groups=True)`): half the
+  multiplies, but the loader does not use it, because restore paths whose activations differ
+  in last bits then gave different greedy tokens.
 - `Int8Rows`: the same rows shared by the token embedding (a row per token) and a tied head.
 
 Float weights (safetensors, or GGUF types without a packed form) are quantized on load by
