@@ -78,23 +78,6 @@ inline void quantize(const T* x, float s, int64_t k, int8_t* q, float* rest, int
   }
 }
 
-// Row `x` [k] (k a multiple of `group`) in one pass a group at a time: each group of
-// `group` inputs at its own power-of-two scale into `scales`, its values into `q`, and
-// `zero` times their sum into `comps` (what a zero point adds to its integer dot products)
-template <typename T>
-inline void one_pass_groups(const T* x, int64_t k, int64_t group, int8_t* q, float* scales, int32_t* comps,
-                            int32_t zero) {
-  for (int64_t g = 0; g < k / group; ++g) {
-    const T* xg = x + g * group;
-    int8_t* qg = q + g * group;
-    scales[g] = pow2_scale(xg, group);
-    quantize(xg, scales[g], group, qg, static_cast<float*>(nullptr), int8_t(0));
-    int32_t sum = 0;
-    for (int64_t j = 0; j < group; ++j) sum += qg[j];
-    comps[g] = zero * sum;
-  }
-}
-
 // Row `x` [k] in two passes: `q1` at `*s1`, the remainder `q2` at `*s2`; `rest` is scratch of k
 template <typename T>
 inline void two_passes(const T* x, int64_t k, int8_t* q1, int8_t* q2, float* s1, float* s2, float* rest,

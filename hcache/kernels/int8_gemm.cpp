@@ -1,7 +1,6 @@
 // Unsigned 8-bit activations times signed 8-bit weight rows with AVX512-VNNI (`vpdpbusd`),
 // for the few activation rows of a decode step, and float activations quantized inside the
-// call: in two passes per row (`int8_linear`, the LM head) or one per group of 32
-// (`int8_group_linear`, the layers' linears).
+// call in two passes per row (`int8_linear`).
 //
 // A step of a larger model is bound by streaming its weights; oneDNN's u8s8 GEMM keeps its
 // panels for many rows and streams them at about half of what the memory gives at one row.
@@ -143,147 +142,18 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return hcache::combine_passes(y, scales.data());
 }
 
-// One 8-bit pass per group of 32 inputs, for the linears inside the layers: each group of
-// an activation row at its own power-of-two scale keeps a channel's outlier from coarsening
-// the rest of the row, the precision that two passes per row buy at twice the multiplies.
-// `vpdpbusd` multiplies unsigned by signed bytes: here the weights are the unsigned side,
-// stored as w + 128 (`pack_groups`), so the zero point's share, 128 times the activations'
-// sum, is one integer per row and group, known when the row is quantized.
-constexpr int64_t GROUP = 32;
-constexpr int GNR = 2;      // tiles a micro-kernel streams at once
-constexpr int GMR_MAX = 6;  // activation rows it holds: GNR * GMR_MAX int32 and float32 sums
-
-// `w` [N, K] int8 -> `pack`'s tiles of w + 128 as uint8
-at::Tensor pack_groups(const at::Tensor& w) {
-  at::Tensor tiles = std::get<0>(pack(w));
-  tiles.bitwise_xor_(int64_t(-128));  // w + 128 in two's complement
-  return tiles.view(at::kByte);
-}
-
-struct GroupOperands {
-  const int8_t* a;       // [M, K] activations
-  const float* ascale;   // [M, K / GROUP] each group's scale
-  const int32_t* acomp;  // [M, K / GROUP] 128 times each group's sum
-  const uint8_t* w;      // tiles of w + 128
-  const uint16_t* scale; // [N] bfloat16 row scales
-  float* out;            // [M, N]
-  int64_t k, n;
-};
-
-// rows r..r+MR against tiles t0..t0+nt (nt <= GNR): per group the exact integer sum,
-// less the zero point's share, times the group's scale, added in input order; then times
-// the row's scale
-template <int MR>
-void group_micro(const GroupOperands& o, int64_t r, int64_t t0, int nt) {
-  const int64_t tile = o.k * LANES, groups = o.k / GROUP;
-  const uint8_t* wt[GNR];
-  for (int j = 0; j < GNR; ++j) wt[j] = o.w + (t0 + std::min(j, nt - 1)) * tile;
-  __m512 sum[MR][GNR];
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < GNR; ++j) sum[m][j] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512i acc[MR][GNR];
-    for (int m = 0; m < MR; ++m)
-      for (int j = 0; j < GNR; ++j) acc[m][j] = _mm512_setzero_si512();
-    for (int64_t s = g * GROUP / 4; s < (g + 1) * GROUP / 4; ++s) {
-      __m512i wv[GNR];
-      for (int j = 0; j < GNR; ++j)
-        if (j < nt) {
-          _mm_prefetch(reinterpret_cast<const char*>(wt[j] + s * 64 + AHEAD), _MM_HINT_T0);
-          wv[j] = _mm512_loadu_si512(wt[j] + s * 64);
-        }
-      for (int m = 0; m < MR; ++m) {
-        int32_t four;
-        std::memcpy(&four, o.a + (r + m) * o.k + s * 4, 4);
-        const __m512i av = _mm512_set1_epi32(four);
-        for (int j = 0; j < GNR; ++j)
-          if (j < nt) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], wv[j], av);
-      }
-    }
-    for (int m = 0; m < MR; ++m) {
-      const int64_t i = (r + m) * groups + g;
-      const __m512i comp = _mm512_set1_epi32(o.acomp[i]);
-      const __m512 s = _mm512_set1_ps(o.ascale[i]);
-      // an integer below 2^24 times a power of two: exact, so only the addition rounds
-      for (int j = 0; j < GNR; ++j)
-        if (j < nt) sum[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][j], comp)), s, sum[m][j]);
-    }
-  }
-  for (int j = 0; j < nt; ++j) {
-    const int64_t r0 = (t0 + j) * LANES, left = std::min<int64_t>(LANES, o.n - r0);
-    const __mmask16 mask = left == LANES ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    const __m512i sb = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, o.scale + r0));
-    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(sb, 16));
-    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(o.out + (r + m) * o.n + r0, mask, _mm512_mul_ps(sum[m][j], sc));
-  }
-}
-
-// `x @ w.T`, float32 [M, N], for float32 or bfloat16 x [M, K] (K a multiple of 32), each row
-// quantized a group of 32 at a time in one 8-bit pass, and the rows of w in `pack_groups`'
-// tiles with a bfloat16 scale each
-at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "int8_group_linear: float32 or bfloat16 [M, K] activations");
-  TORCH_CHECK(w.dim() == 4 && w.size(2) == LANES && w.size(3) == 4 && w.scalar_type() == at::kByte && w.is_contiguous(),
-              "int8_group_linear: tiles of pack_groups");
-  TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == at::kBFloat16 && scale.is_contiguous(),
-              "int8_group_linear: bfloat16 row scales");
-  const int64_t m = x.size(0), k = x.size(1), n = scale.size(0), tiles = w.size(0), groups = k / GROUP;
-  TORCH_CHECK(w.size(1) * 4 == k && k % GROUP == 0, "int8_group_linear: K differs from the packed weights' or is not a multiple of 32");
-  TORCH_CHECK((n + LANES - 1) / LANES == tiles, "int8_group_linear: N differs");
-  const at::Tensor xc = x.contiguous();
-  const bool bf16 = xc.scalar_type() == at::kBFloat16;
-  at::Tensor q = at::empty({m, k}, xc.options().dtype(at::kChar));
-  at::Tensor ascale = at::empty({m, groups}, xc.options().dtype(at::kFloat));
-  at::Tensor acomp = at::empty({m, groups}, xc.options().dtype(at::kInt));
-  int8_t* qp = q.data_ptr<int8_t>();
-  float* sp = ascale.data_ptr<float>();
-  int32_t* cp = acomp.data_ptr<int32_t>();
-  const void* src = xc.data_ptr();
-  at::parallel_for(0, m, 16, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      if (bf16)
-        hcache::one_pass_groups(static_cast<const uint16_t*>(src) + r * k, k, GROUP, qp + r * k, sp + r * groups,
-                                cp + r * groups, 128);
-      else
-        hcache::one_pass_groups(static_cast<const float*>(src) + r * k, k, GROUP, qp + r * k, sp + r * groups,
-                                cp + r * groups, 128);
-    }
-  });
-  at::Tensor out = at::empty({m, n}, xc.options().dtype(at::kFloat));
-  const GroupOperands o{qp, sp, cp, w.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>()),
-                        out.data_ptr<float>(), k, n};
-  const int64_t tgroups = (tiles + GNR - 1) / GNR;
-  // many rows (a prefill): a block of them stays in L2 while a thread's tiles stream past
-  const int64_t block = std::max<int64_t>(GMR_MAX, (ACT_BLOCK / k) / GMR_MAX * GMR_MAX);
-  at::parallel_for(0, tgroups, 1, [&](int64_t b, int64_t e) {
-    for (int64_t r0 = 0; r0 < m; r0 += block)
-      for (int64_t t = b; t < e; ++t) {
-        const int nt = int(std::min<int64_t>(GNR, tiles - t * GNR));
-        for (int64_t r = r0; r < std::min(m, r0 + block); r += GMR_MAX)
-          hcache::with_rows<GMR_MAX>(int(std::min<int64_t>(GMR_MAX, m - r)),
-                                     [&](auto mr) { group_micro<decltype(mr)::value>(o, r, t * GNR, nt); });
-      }
-  });
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(hcache_int8, lib) {
   lib.def("pack(Tensor w) -> (Tensor, Tensor)");
   lib.def("int8_mm(Tensor a, Tensor w, Tensor comp, Tensor scale, int zero) -> Tensor");
   lib.def("int8_linear(Tensor x, Tensor w, Tensor comp, Tensor scale) -> Tensor");
-  lib.def("pack_groups(Tensor w) -> Tensor");
-  lib.def("int8_group_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hcache_int8, CPU, lib) {
   lib.impl("pack", &pack);
   lib.impl("int8_mm", &int8_mm);
   lib.impl("int8_linear", &int8_linear);
-  lib.impl("pack_groups", &pack_groups);
-  lib.impl("int8_group_linear", &int8_group_linear);
 }
 
 // shapes only, for tracing: symbolic, so a compiled graph serves every row count
@@ -292,9 +162,6 @@ TORCH_LIBRARY_IMPL(hcache_int8, Meta, lib) {
     return at::empty_symint({a.sym_size(0), scale.sym_size(0)}, a.options().dtype(at::kFloat));
   });
   lib.impl("int8_linear", [](const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor& scale) {
-    return at::empty_symint({x.sym_size(0), scale.sym_size(0)}, x.options().dtype(at::kFloat));
-  });
-  lib.impl("int8_group_linear", [](const at::Tensor& x, const at::Tensor&, const at::Tensor& scale) {
     return at::empty_symint({x.sym_size(0), scale.sym_size(0)}, x.options().dtype(at::kFloat));
   });
 }

@@ -96,8 +96,7 @@ def decode_attention() -> Callable[..., torch.Tensor] | None:
 def int8_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor] | None:
     """`op(a, tiles, sums, scales, zero) -> (a - zero) @ w.T * scales`, float32 `[M, N]`, for
     uint8 activations `a [M, K]` and the weight rows `w [N, K]` in `int8_pack`'s tiles. Its
-    library also holds `hcache_int8.int8_linear` (float rows in two passes each) and
-    `int8_group_linear` (one pass per group of 32, on `int8_pack_groups`' tiles)."""
+    library also holds `hcache_int8.int8_linear` (float rows in two passes each)."""
     return _INT8.get()
 
 
@@ -117,13 +116,6 @@ def int4_pack(q: torch.Tensor) -> torch.Tensor:
 def int8_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 rows `[N, K]` (K a multiple of 4) into `int8_gemm`'s tiles, and each row's sum."""
     return torch.ops.hcache_int8.pack(w)
-
-
-def int8_pack_groups(w: torch.Tensor) -> torch.Tensor:
-    """int8 rows `[N, K]` (K a multiple of 4) into `int8_gemm`'s tiles, as w + 128 in uint8:
-    the weights of `int8_group_linear`, whose signed activations take the other side of
-    `vpdpbusd`."""
-    return torch.ops.hcache_int8.pack_groups(w)
 
 
 def _build(name: str, isa: str, op: str) -> Callable[..., torch.Tensor] | None:

@@ -9,10 +9,9 @@
   (`_weight_int8pack_mm` without oneDNN), for GGUF's 5- to 8-bit blocks (Q5_0, Q5_1, Q5_K,
   Q6_K, Q8_0), whose 32-weight scales no packed kernel takes: each row is requantized to
   int8 at its own scale, half a step of rounding; and for the LM head. Every path
-  quantizes the activations in two passes per row (`int8_rows_mm`). Our kernel can also take
-  one 8-bit pass per group of 32 (`int8_groups_mm`, `pack_native(groups=True)`): half the
-  multiplies, but the loader does not use it, because restore paths whose activations differ
-  in last bits then gave different greedy tokens.
+  quantizes the activations in two passes per row (`int8_rows_mm`): restore paths whose
+  activations differ in last bits must round them alike, which one coarse pass per group
+  did not (greedy tokens changed near ties).
 - `Int8Rows`: the same rows shared by the token embedding (a row per token) and a tied head.
 
 Float weights (safetensors, or GGUF types without a packed form) are quantized on load by
@@ -180,31 +179,19 @@ class Int8Linear(_Bf16Scales):
     def is_packed(self) -> bool:
         return self.tiles is not None or self._handle is not None
 
-    @property
-    def groups(self) -> bool:
-        """Whether `pack_native(groups=True)` packed it: its tiles hold the rows plus 128."""
-        return self.tiles is not None and self.tiles.dtype == torch.uint8
+    def pack(self, keep_rows: bool = False) -> bool:
+        """The rows into the fastest packed form this CPU has; False where none is."""
+        return self.pack_native() or self.pack_for_onednn(keep_rows=keep_rows)
 
-    def pack(self, keep_rows: bool = False, groups: bool = False) -> bool:
-        """The rows into the fastest packed form this CPU has; False where none is.
-        `groups`: on our kernel, activations in one pass per group of 32 (`pack_native`)."""
-        return self.pack_native(groups) or self.pack_for_onednn(keep_rows=keep_rows)
-
-    def pack_native(self, groups: bool = False) -> bool:
+    def pack_native(self) -> bool:
         """Serve `forward` on our AVX512-VNNI kernel from its tiles of the rows, which
-        replace them; False where the kernel does not run here or K is not a multiple of 4.
-        `groups` (where K is a multiple of 32): each activation row in one 8-bit pass per
-        group of 32, at half the multiplies of two passes per row, from tiles of the rows
-        plus 128 (`int8_groups_mm`); else two passes per row from the rows' own tiles, in
-        which a tied embedding looks its rows up."""
+        replace them (a tied embedding looks its rows up in the tiles); False where the
+        kernel does not run here or K is not a multiple of 4."""
         if self.tiles is not None:
             return True
         if native.int8_gemm() is None or self.in_features % 4 or self._handle is not None:
             return False
-        if groups and self.in_features % GROUP == 0:
-            self.tiles = native.int8_pack_groups(self.q)
-        else:
-            self.tiles, self.sums = native.int8_pack(self.q)
+        self.tiles, self.sums = native.int8_pack(self.q)
         self.q = self.q.new_empty((self.out_features, 0))
         return True
 
@@ -228,10 +215,7 @@ class Int8Linear(_Bf16Scales):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.groups:  # `int8_groups_mm`, inside the op
-            flat = x.reshape(-1, self.in_features)
-            y = torch.ops.hcache_int8.int8_group_linear(flat, self.tiles, self.scales).to(x.dtype)
-        elif self.tiles is not None:  # the two passes of `int8_rows_mm`, inside the op
+        if self.tiles is not None:  # the two passes of `int8_rows_mm`, inside the op
             flat = x.reshape(-1, self.in_features)
             y = torch.ops.hcache_int8.int8_linear(flat, self.tiles, self.sums, self.scales).to(x.dtype)
         elif self._handle is not None:
@@ -289,24 +273,6 @@ def int8_rows_mm(x: torch.Tensor, mm: Callable[[torch.Tensor], torch.Tensor], bi
     q = (torch.cat([q1, q2]) + (top + 1)).to(torch.uint8)
     y = mm(q)
     return y[:m] * s1 + y[m:] * s2
-
-
-def int8_groups_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`x @ (q * scales).T` (float32 `[M, N]`) as our kernel's `int8_group_linear` computes it
-    (its reference): each row of `x` in one 8-bit pass per group of 32 inputs, each group at
-    the power of two that puts its largest magnitude in [64, 128). A channel's outlier then
-    coarsens its own group, not the row; the outcome depends on the row alone. Each group's
-    integer sum is exact, and times the group's scale exact too: the groups add in input
-    order in float32, then meet the row's bfloat16 scale."""
-    m, k = x.shape
-    xg = x.float().reshape(m, k // GROUP, GROUP)
-    s = _pow2_scale(xg.reshape(-1, GROUP), 8).reshape(m, k // GROUP)
-    a = torch.round(xg * s.reciprocal()[..., None]).clamp(-127, 127).int()
-    w = q.int().reshape(q.shape[0], k // GROUP, GROUP)
-    out = torch.zeros(m, q.shape[0])
-    for g in range(k // GROUP):
-        out = out + (a[:, g] @ w[:, g].T).float() * s[:, g, None]
-    return out * scales.float()
 
 
 def _pow2_scale(x: torch.Tensor, bits: int) -> torch.Tensor:

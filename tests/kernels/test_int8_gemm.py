@@ -6,7 +6,7 @@ import torch
 
 from hcache.kernels import native
 from hcache.kernels.cpu import cpu
-from hcache.model.quant import Int8Linear, Int8Rows, int8_groups_mm, int8_rows_mm
+from hcache.model.quant import Int8Linear, Int8Rows, int8_rows_mm
 
 op = native.int8_gemm()
 pytestmark = pytest.mark.skipif(op is None, reason=f"needs AVX512-VNNI and a C++ compiler; this CPU is {cpu().kind}")
@@ -85,60 +85,6 @@ def test_the_linear_quantizes_inside_to_the_graphs_bits(m, k):
         assert torch.equal(torch.ops.hcache_int8.int8_linear(xs, tiles, sums, scales), want)
 
 
-@pytest.mark.parametrize(
-    "m,n,k",
-    [
-        (1, 16, 32),  # one tile, one group
-        (2, 17, 64),  # a tile of one row
-        (7, 65, 96),  # rows past a block of 6; tiles past a pair
-        (13, 300, 64),  # a partial last tile
-        (32, 48, 4864),  # batch 32 over a down projection's K
-        (300, 40, 896),  # a prefill chunk, rows past an L2 block
-    ],
-)
-def test_one_pass_per_group_is_its_reference_bit_for_bit(m, n, k):
-    """`int8_group_linear` against `int8_groups_mm`, for rows of every magnitude (a zero row,
-    tiny ones, large ones, an outlier channel) in float32 and bfloat16."""
-    g = torch.Generator().manual_seed(m * 1000 + n)
-    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
-    scales = (torch.rand(n, generator=g) * 0.1).bfloat16()
-    x = torch.randn(m, k, generator=g) * torch.logspace(-30, 4, m)[:, None]
-    x[0, k // 2] = 300.0
-    if m > 3:
-        x[3] = 0
-    tiles = native.int8_pack_groups(w)
-    for xs in (x, x.bfloat16()):
-        assert torch.equal(torch.ops.hcache_int8.int8_group_linear(xs, tiles, scales), int8_groups_mm(xs, w, scales))
-
-
-def test_one_pass_per_group_keeps_a_row_alone_and_within_its_groups_rounding():
-    """A row's bits depend neither on its batch nor the threads, and each output is within
-    half a step of each group's scale times that group's weights of the exact product: an
-    outlier channel coarsens its own group alone."""
-    g = torch.Generator().manual_seed(4)
-    w = torch.randint(-127, 128, (64, 256), dtype=torch.int8, generator=g)
-    scales = (torch.rand(64, generator=g) * 0.1).bfloat16()
-    tiles = native.int8_pack_groups(w)
-    x = torch.randn(40, 256, generator=g)
-    x[:, 5] = 1000.0
-    whole = torch.ops.hcache_int8.int8_group_linear(x, tiles, scales)
-    for i in (0, 7, 39):
-        assert torch.equal(torch.ops.hcache_int8.int8_group_linear(x[i : i + 1], tiles, scales), whole[i : i + 1])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(torch.ops.hcache_int8.int8_group_linear(x, tiles, scales), whole)
-    finally:
-        torch.set_num_threads(threads)
-    wf = w.double() * scales.double()[:, None]
-    step = 2.0 ** (x.reshape(40, 8, 32).abs().amax(-1).log2().floor() - 6)  # [40, 8]
-    bound = (step.double() / 2) @ wf.abs().reshape(64, 8, 32).sum(-1).T  # [40, 64]
-    err = (whole.double() - x.double() @ wf.T).abs()
-    assert (err <= bound * 1.001 + 1e-3).all(), (err - bound).max()
-    row_bound = 4.0 * wf.abs().sum(1)  # one pass per row: every input at the outlier's step, 8
-    assert (bound < row_bound / 4).all()
-
-
 def test_bad_operands_are_refused():
     a, w, scales = operands(2, 32, 64, 5)
     tiles, sums = native.int8_pack(w)
@@ -150,14 +96,6 @@ def test_bad_operands_are_refused():
         torch.ops.hcache_int8.int8_linear(torch.randn(2, 60), tiles, sums, scales)
     with pytest.raises(RuntimeError, match="activations"):
         torch.ops.hcache_int8.int8_linear(torch.ones(2, 64, dtype=torch.int32), tiles, sums, scales)
-    groups = native.int8_pack_groups(w)
-    with pytest.raises(RuntimeError, match="K differs"):
-        torch.ops.hcache_int8.int8_group_linear(torch.randn(2, 60), groups, scales)
-    with pytest.raises(RuntimeError, match="tiles of pack_groups"):
-        torch.ops.hcache_int8.int8_group_linear(torch.randn(2, 64), tiles, scales)
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        short = native.int8_pack_groups(w[:, :36].contiguous())
-        torch.ops.hcache_int8.int8_group_linear(torch.randn(2, 36), short, scales)
 
 
 def test_a_tied_embedding_looks_its_rows_up_in_the_tiles():

@@ -19,7 +19,7 @@ from hcache.kernels import native
 from hcache.kernels.cpu import cpu
 from hcache.model.gguf_blocks import INT4_TYPES, PACKED_TYPES, packed_linear, unpermute
 from hcache.model.loader import dequantized, load
-from hcache.model.quant import Int4Linear, Int8Linear, int8_groups_mm
+from hcache.model.quant import Int4Linear, Int8Linear
 
 ROWS, COLS = 48, 512
 # where each K-quant block keeps its float16 super-block scales (d, then dmin where it has one)
@@ -105,15 +105,12 @@ def test_types_without_a_packed_form_are_left_to_the_caller():
     assert packed_linear(np.zeros((ROWS, COLS // 256 * 84), np.uint8), T.Q2_K, ROWS, COLS) is None
 
 
-@pytest.mark.parametrize(
-    "onednn", [None, 8, 7, "native", "groups"], ids=["int8pack", "onednn-a8", "onednn-a7", "native", "native-groups"]
-)
+@pytest.mark.parametrize("onednn", [None, 8, 7, "native"], ids=["int8pack", "onednn-a8", "onednn-a7", "native"])
 def test_int8_rows_are_row_independent_and_concatenate(onednn):
     """Every int8 kernel computes each output row from its activation row alone: a row's
     result is the same bits at any batch size, eager or compiled, and Q/K/V concatenated give
-    the separate calls' bits. Ours in one 8-bit pass per group of 32 gives `int8_groups_mm`'s
-    bits. oneDNN's and ours in two passes per row, whose activations are quantized to about 14
-    bits, stay within bfloat16's rounding of `_weight_int8pack_mm`'s bfloat16 activations, at
+    the separate calls' bits. oneDNN's and ours, whose activations are quantized in two passes
+    per row to about 14 bits, stay within bfloat16's rounding of `_weight_int8pack_mm`'s bfloat16 activations, at
     8-bit activations (VNNI) and at the 7 bits every CPU sums exactly."""
     g = torch.Generator().manual_seed(0)
     mods = tuple(Int8Linear.from_float(torch.randn(n, 96, generator=g), torch.randn(n, generator=g)) for n in (40, 8))
@@ -122,10 +119,9 @@ def test_int8_rows_are_row_independent_and_concatenate(onednn):
     x[7] = 0  # a row of zeros
     cat = Int8Linear.cat(mods)
     reference = cat(x)  # `_weight_int8pack_mm`
-    one_pass = int8_groups_mm(x, cat.q, cat.scales) + cat.bias  # before packing drops the rows
     sliced = cat.rows(40, 48)
-    if onednn in ("native", "groups"):
-        if not all(m.pack_native(groups=onednn == "groups") for m in (*mods, cat, sliced)):
+    if onednn == "native":
+        if not all(m.pack_native() for m in (*mods, cat, sliced)):
             pytest.skip(f"our int8 kernel needs AVX512-VNNI; this CPU is {cpu().kind}")
         assert cat.q.numel() == 0 and cat.tiles.numel() == 48 * 96  # the rows live in the tiles alone
     elif onednn:
@@ -147,10 +143,7 @@ def test_int8_rows_are_row_independent_and_concatenate(onednn):
         with torch.compiler.set_stance("fail_on_recompile"):  # one graph serves every batch
             for n in (9, 70):
                 assert torch.equal(compiled(x[:n]), y[:n]), n
-    if onednn == "groups":  # one 8-bit pass per group of 32: its reference's bits
-        assert torch.equal(y, one_pass)
-    else:
-        assert ((y - reference).abs() <= 2**-7 * reference.abs().amax(1, keepdim=True)).all()
+    assert ((y - reference).abs() <= 2**-7 * reference.abs().amax(1, keepdim=True)).all()
 
 
 def test_the_fingerprint_does_not_depend_on_the_packed_form(tiny_folder, monkeypatch):
@@ -161,7 +154,7 @@ def test_the_fingerprint_does_not_depend_on_the_packed_form(tiny_folder, monkeyp
     forms["best"] = load(path, weights="packed").model
     monkeypatch.setattr(native, "int8_gemm", lambda: None)
     forms["onednn"] = load(path, weights="packed").model
-    monkeypatch.setattr(Int8Linear, "pack", lambda self, keep_rows=False, groups=False: False)
+    monkeypatch.setattr(Int8Linear, "pack", lambda self, keep_rows=False: False)
     forms["rows"] = load(path, weights="packed").model
     assert forms["rows"].lm_head.q.numel() and not forms["rows"].lm_head.is_packed
     assert len({m.fingerprint() for m in forms.values()}) == 1
