@@ -106,18 +106,4 @@ inline void quantize_rows(const at::Tensor& x, int8_t* q, float* scales, int8_t 
   });
 }
 
-// `y` float32 [2m, n], rows r and m + r the two passes' results: y1 * s1 + y2 * s2, [m, n]
-// (both products exact, one rounding)
-inline at::Tensor combine_passes(const at::Tensor& y, const float* scales) {
-  const int64_t m = y.size(0) / 2, n = y.size(1);
-  at::Tensor out = at::empty({m, n}, y.options());
-  const float* yp = y.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, m, 16, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r)
-      for (int64_t j = 0; j < n; ++j) op[r * n + j] = yp[r * n + j] * scales[r] + yp[(m + r) * n + j] * scales[m + r];
-  });
-  return out;
-}
-
 }  // namespace hcache

@@ -58,15 +58,20 @@ struct Operands {
   const int8_t* a;      // [M, K] activations
   const int32_t* asum;  // [M, K / GROUP] each group's sum of them, times 8
   const float* asumf;   // [M, K / GROUP] and that sum
+  const float* ascale;  // [M] each row's scale
   const uint8_t* w;     // tiles
   const uint32_t* sz;   // [K / GROUP, N] bfloat16 (scale, zero) pairs
-  float* out;           // [M, N]
-  int64_t k, n;
+  float* out;           // [M / 2, N]
+  int64_t m, k, n;      // m: rows of one pass (row i's second pass is row m + i)
 };
 
-// rows r..r+MR against tiles t0..t0+nt (nt <= NR)
-template <int MR>
+// rows r..r+P of the activations, both passes of each (rows i and m + i), against tiles
+// t0..t0+nt (nt <= NR): the two passes' sums meet as `y1 * s1 + y2 * s2` in registers
+template <int P>
 void micro(const Operands& o, int64_t r, int64_t t0, int nt) {
+  constexpr int MR = 2 * P;
+  int64_t row[MR];
+  for (int p = 0; p < P; ++p) row[2 * p] = r + p, row[2 * p + 1] = o.m + r + p;
   const int64_t tile = o.k * LANES / 2, groups = o.k / GROUP;
   const uint8_t* wt[NR];
   for (int j = 0; j < NR; ++j) wt[j] = o.w + (t0 + std::min(j, nt - 1)) * tile;
@@ -94,7 +99,7 @@ void micro(const Operands& o, int64_t r, int64_t t0, int nt) {
           hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         }
       for (int m = 0; m < MR; ++m) {
-        const int32_t* four = reinterpret_cast<const int32_t*>(o.a + (r + m) * o.k + p * 8);
+        const int32_t* four = reinterpret_cast<const int32_t*>(o.a + row[m] * o.k + p * 8);
         const __m512i a0 = _mm512_set1_epi32(four[0]), a1 = _mm512_set1_epi32(four[1]);
         for (int j = 0; j < NR; ++j)
           if (j < nt) {
@@ -109,7 +114,7 @@ void micro(const Operands& o, int64_t r, int64_t t0, int nt) {
       const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
       const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(v, high));
       for (int m = 0; m < MR; ++m) {
-        const int64_t i = (r + m) * groups + g;
+        const int64_t i = row[m] * groups + g;
         // weight = (q - 8) * scale + zero: sum(a * (q - 8)) is exact in 16 bits, so both
         // products are exact in float32 and only the two additions round
         const __m512i centred = _mm512_sub_epi32(acc[m][j], _mm512_set1_epi32(o.asum[i]));
@@ -119,13 +124,18 @@ void micro(const Operands& o, int64_t r, int64_t t0, int nt) {
     }
   }
   for (int j = 0; j < nt; ++j)
-    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(o.out + (r + m) * o.n + (t0 + j) * LANES, mask[j], sum[m][j]);
+    for (int p = 0; p < P; ++p) {
+      // two products and one sum, as the Python computes them (no fused multiply-add)
+      const __m512 f = _mm512_add_ps(_mm512_mul_ps(sum[2 * p][j], _mm512_set1_ps(o.ascale[row[2 * p]])),
+                                     _mm512_mul_ps(sum[2 * p + 1][j], _mm512_set1_ps(o.ascale[row[2 * p + 1]])));
+      _mm512_mask_storeu_ps(o.out + (r + p) * o.n + (t0 + j) * LANES, mask[j], f);
+    }
 }
 
 // `x @ w.T`, float32 [M, N], for float32 or bfloat16 x [M, K] and the int4 groups `w = (q - 8) * scale +
 // zero` of [N, K], the nibbles packed by `pack`, scale_zeros bfloat16 [K / 32, N, 2]. Each row
 // of x is quantized on its own in two int8 passes (act_quant.h), and the two results meet as
-// `y1 * s1 + y2 * s2`.
+// `y1 * s1 + y2 * s2` before they are written.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zeros) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "int4_linear: float32 or bfloat16 [M, K] activations");
@@ -159,19 +169,21 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
         }
     });
   }
-  at::Tensor y = at::empty({2 * m, n}, f32);
-  const Operands o{q.data_ptr<int8_t>(), sum8.data_ptr<int32_t>(), sumf.data_ptr<float>(), wc.data_ptr<uint8_t>(),
-                   reinterpret_cast<const uint32_t*>(szc.data_ptr<at::BFloat16>()), y.data_ptr<float>(), k, n};
-  const int64_t tgroups = (tiles + NR - 1) / NR, rows2 = 2 * m;
+  at::Tensor y = at::empty({m, n}, f32);
+  const Operands o{q.data_ptr<int8_t>(), sum8.data_ptr<int32_t>(), sumf.data_ptr<float>(), scales.data(),
+                   wc.data_ptr<uint8_t>(), reinterpret_cast<const uint32_t*>(szc.data_ptr<at::BFloat16>()),
+                   y.data_ptr<float>(), m, k, n};
+  const int64_t tgroups = (tiles + NR - 1) / NR;
+  constexpr int P_MAX = MR_MAX / 2;
   at::parallel_for(0, tgroups, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const int nt = int(std::min<int64_t>(NR, tiles - t * NR));
-      for (int64_t r = 0; r < rows2; r += MR_MAX)
-        hcache::with_rows<MR_MAX>(int(std::min<int64_t>(MR_MAX, rows2 - r)),
-                                  [&](auto mr) { micro<decltype(mr)::value>(o, r, t * NR, nt); });
+      for (int64_t r = 0; r < m; r += P_MAX)
+        hcache::with_rows<P_MAX>(int(std::min<int64_t>(P_MAX, m - r)),
+                                 [&](auto p) { micro<decltype(p)::value>(o, r, t * NR, nt); });
     }
   });
-  return hcache::combine_passes(y, scales.data());
+  return y;
 }
 
 }  // namespace

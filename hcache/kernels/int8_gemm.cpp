@@ -125,21 +125,95 @@ at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& c
   return out;
 }
 
+// rows r..r+P of the activations, both passes of each (rows i and m + i of `a`), against
+// tiles t0..t0+nt (nt <= NR): each pass's output as `int8_mm` rounds it, then the two meet
+// as `y1 * s1 + y2 * s2` in registers, so only the combined rows are written
+template <int P>
+void micro_passes(const uint8_t* a, int64_t m, int64_t k, const int8_t* w, int64_t r, int64_t t0, int nt, int64_t n,
+                  const int32_t* comp, const uint16_t* scale, const float* ascale, float* out) {
+  constexpr int MR = 2 * P;
+  const int64_t steps = k / 4, tile = k * LANES;
+  const uint8_t* rows[MR];
+  for (int p = 0; p < P; ++p) rows[2 * p] = a + (r + p) * k, rows[2 * p + 1] = a + (m + r + p) * k;
+  __m512i acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
+  const int8_t* wt[NR];
+  for (int j = 0; j < NR; ++j) wt[j] = w + (t0 + std::min(j, nt - 1)) * tile;
+  for (int64_t s = 0; s < steps; ++s) {
+    __m512i wv[NR];
+    for (int j = 0; j < NR; ++j) {
+      if (j < nt) {
+        _mm_prefetch(reinterpret_cast<const char*>(wt[j] + s * 64 + AHEAD), _MM_HINT_T0);
+        wv[j] = _mm512_loadu_si512(wt[j] + s * 64);
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      int32_t four;
+      std::memcpy(&four, rows[i] + s * 4, 4);
+      const __m512i av = _mm512_set1_epi32(four);
+      for (int j = 0; j < NR; ++j)
+        if (j < nt) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], av, wv[j]);
+    }
+  }
+  for (int j = 0; j < nt; ++j) {
+    const int64_t r0 = (t0 + j) * LANES, left = std::min<int64_t>(LANES, n - r0);
+    const __mmask16 mask = left == LANES ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __m512i zc = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(mask, comp + r0), _mm512_set1_epi32(128));
+    const __m512i sb = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, scale + r0));
+    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(sb, 16));
+    for (int p = 0; p < P; ++p) {
+      const __m512 y1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[2 * p][j], zc)), sc);
+      const __m512 y2 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[2 * p + 1][j], zc)), sc);
+      // two products and one sum, as the Python computes them (no fused multiply-add)
+      const __m512 f = _mm512_add_ps(_mm512_mul_ps(y1, _mm512_set1_ps(ascale[r + p])),
+                                     _mm512_mul_ps(y2, _mm512_set1_ps(ascale[m + r + p])));
+      _mm512_mask_storeu_ps(out + (r + p) * n + r0, mask, f);
+    }
+  }
+}
+
 // `x @ w.T` for float32 or bfloat16 x [M, K]: each row quantized on its own to two int8
-// passes (act_quant.h) around the zero point 128, both through `int8_mm`, and the two results
-// meet as `y1 * s1 + y2 * s2`, the bits of `quant.int8_rows_mm` around `int8_mm`
+// passes (act_quant.h) around the zero point 128, each pass summed as `int8_mm` sums it, and
+// the two results meet as `y1 * s1 + y2 * s2`: the bits of `quant.int8_rows_mm` around
+// `int8_mm`, with only the combined rows written out
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& comp, const at::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "int8_linear: float32 or bfloat16 [M, K] activations");
-  TORCH_CHECK(w.dim() == 4 && w.size(1) * 4 == x.size(1), "int8_linear: K differs from the packed weights'");
-  const int64_t m = x.size(0), k = x.size(1), n = scale.size(0);
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == LANES && w.size(3) == 4 && w.scalar_type() == at::kChar && w.is_contiguous(),
+              "int8_linear: packed weights");
+  TORCH_CHECK(w.size(1) * 4 == x.size(1), "int8_linear: K differs from the packed weights'");
+  TORCH_CHECK(comp.is_contiguous() && scale.is_contiguous() && comp.scalar_type() == at::kInt &&
+                  scale.scalar_type() == at::kBFloat16,
+              "int8_linear: contiguous int32 sums and bfloat16 scales");
+  const int64_t m = x.size(0), k = x.size(1), n = scale.size(0), tiles = w.size(0);
+  TORCH_CHECK((n + LANES - 1) / LANES == tiles && comp.size(0) == n, "int8_linear: N differs");
   const at::Tensor xc = x.contiguous();
   at::Tensor a = at::empty({2 * m, k}, xc.options().dtype(at::kByte));
   std::vector<float> scales(2 * m);
   // + 128 as a byte: the unsigned form around the zero point
   hcache::quantize_rows(xc, reinterpret_cast<int8_t*>(a.data_ptr<uint8_t>()), scales.data(), int8_t(-128));
-  const at::Tensor y = int8_mm(a, w, comp, scale, 128);
-  return hcache::combine_passes(y, scales.data());
+  at::Tensor out = at::empty({m, n}, xc.options().dtype(at::kFloat));
+  const uint8_t* ap = a.data_ptr<uint8_t>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const int32_t* cp = comp.data_ptr<int32_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
+  float* op = out.data_ptr<float>();
+  const int64_t groups = (tiles + NR - 1) / NR;
+  constexpr int P_MAX = MR_MAX / 2;
+  // many rows (a prefill): a block of them (both passes) stays in L2 while a thread's tiles stream past
+  const int64_t block = std::max<int64_t>(P_MAX, (ACT_BLOCK / (2 * k)) / P_MAX * P_MAX);
+  at::parallel_for(0, groups, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r0 = 0; r0 < m; r0 += block)
+      for (int64_t g = b; g < e; ++g) {
+        const int nt = int(std::min<int64_t>(NR, tiles - g * NR));
+        for (int64_t r = r0; r < std::min(m, r0 + block); r += P_MAX)
+          hcache::with_rows<P_MAX>(int(std::min<int64_t>(P_MAX, m - r)), [&](auto p) {
+            micro_passes<decltype(p)::value>(ap, m, k, wp, r, g * NR, nt, n, cp, sp, scales.data(), op);
+          });
+      }
+  });
+  return out;
 }
 
 }  // namespace
