@@ -26,8 +26,8 @@
 namespace {
 
 constexpr int64_t LANES = 16;  // output rows per tile
-constexpr int NR = 4;          // tiles a micro-kernel streams at once
-constexpr int MR_MAX = 6;      // activation rows it holds: NR * MR_MAX accumulators
+constexpr int NR = 3;          // tiles a micro-kernel streams at once
+constexpr int MR_MAX = 8;      // activation rows it holds: NR * MR_MAX accumulators
 constexpr int64_t AHEAD = 512;  // bytes of each tile's stream prefetched ahead of use
 constexpr int64_t ACT_BLOCK = 256 * 1024;  // bytes of activation rows a thread keeps in L2
 

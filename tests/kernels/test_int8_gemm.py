@@ -30,7 +30,7 @@ def operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Ten
     [
         (1, 16, 4),  # one tile, one step
         (2, 17, 32),  # a decode step's two passes; a tile of one row
-        (7, 65, 96),  # rows past a block of 6; tiles past a group of 4
+        (9, 65, 96),  # rows past a block of 8; tiles past a group of 3
         (13, 300, 64),  # an LM head's shape class: a partial last tile and group
         (64, 48, 4864),  # batch 32's two passes over a down projection's K
         (300, 40, 896),  # a prefill chunk
@@ -69,14 +69,16 @@ def test_a_row_has_the_same_bits_alone_in_any_batch_and_on_any_threads():
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("m,k", [(1, 4), (2, 36), (5, 100), (33, 896), (17, 4864)])
+@pytest.mark.parametrize("m,k", [(1, 4), (2, 36), (5, 100), (33, 896), (17, 4864), (300, 896)])
 def test_the_linear_quantizes_inside_to_the_graphs_bits(m, k):
-    """`int8_linear` quantizes each row in the op: the same bits as `int8_rows_mm`'s two
-    passes in the graph around `int8_mm`, at K with and without a partial vector of 16, for
-    rows of every magnitude (a zero row, a tiny one, a large one) and for bfloat16 input."""
+    """`int8_linear` quantizes each row in the op and combines its two passes in registers:
+    the same bits as `int8_rows_mm`'s two passes in the graph around `int8_mm`, at K with and
+    without a partial vector of 16, for rows of every magnitude (a zero row, a tiny one, a
+    large one), row counts past a micro-kernel's and an L2 block's, a partial last tile and
+    group of tiles, and for bfloat16 input."""
     g = torch.Generator().manual_seed(m * 7 + k)
-    w = torch.randint(-127, 128, (48, k), dtype=torch.int8, generator=g)
-    scales = (torch.rand(48, generator=g) * 0.1).bfloat16()
+    w = torch.randint(-127, 128, (50, k), dtype=torch.int8, generator=g)
+    scales = (torch.rand(50, generator=g) * 0.1).bfloat16()
     tiles, sums = native.int8_pack(w)
     x = torch.randn(m, k, generator=g) * torch.logspace(-30, 4, m)[:, None]
     x[0] = 0
