@@ -53,12 +53,11 @@ std::tuple<at::Tensor, at::Tensor> pack(const at::Tensor& w) {
   return {out, sums};
 }
 
-// rows m0..m0+MR of `a` against tiles t0..t0+nt (nt <= NR), written to `out`
+// The integer sums of activation rows `rows[0..MR]` (K bytes each) against tiles
+// t0..t0+nt (nt <= NR) into `acc`
 template <int MR>
-void micro(const uint8_t* a, int64_t k, const int8_t* w, int64_t t0, int nt, int64_t n, const int32_t* comp,
-           const uint16_t* scale, int32_t zero, float* out) {
+inline void sums(const uint8_t* const* rows, int64_t k, const int8_t* w, int64_t t0, int nt, __m512i (&acc)[MR][NR]) {
   const int64_t steps = k / 4, tile = k * LANES;
-  __m512i acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_si512();
   const int8_t* wt[NR];
@@ -73,23 +72,41 @@ void micro(const uint8_t* a, int64_t k, const int8_t* w, int64_t t0, int nt, int
     }
     for (int m = 0; m < MR; ++m) {
       int32_t four;
-      std::memcpy(&four, a + m * k + s * 4, 4);
+      std::memcpy(&four, rows[m] + s * 4, 4);
       const __m512i av = _mm512_set1_epi32(four);
       for (int j = 0; j < NR; ++j)
         if (j < nt) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], av, wv[j]);
     }
   }
-  for (int j = 0; j < nt; ++j) {
-    const int64_t r0 = (t0 + j) * LANES, left = std::min<int64_t>(LANES, n - r0);
-    const __mmask16 mask = left == LANES ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    const __m512i zc = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(mask, comp + r0), _mm512_set1_epi32(zero));
+}
+
+// Tile t0 + j's outputs (16 lanes, `mask` of them real) as float32: (sum - zero * rowsum) * scale
+struct TileOut {
+  __mmask16 mask;
+  __m512i zc;
+  __m512 sc;
+  TileOut(int64_t r0, int64_t n, const int32_t* comp, const uint16_t* scale, int32_t zero) {
+    const int64_t left = std::min<int64_t>(LANES, n - r0);
+    mask = left == LANES ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    zc = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(mask, comp + r0), _mm512_set1_epi32(zero));
     // bfloat16 scales: the upper half of a float32
-    const __m512i sb = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, scale + r0));
-    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(sb, 16));
-    for (int m = 0; m < MR; ++m) {
-      const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][j], zc)), sc);
-      _mm512_mask_storeu_ps(out + m * n + r0, mask, f);
-    }
+    sc = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, scale + r0)), 16));
+  }
+  __m512 operator()(__m512i acc) const { return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, zc)), sc); }
+};
+
+// rows 0..MR of `a` against tiles t0..t0+nt (nt <= NR), written to `out`
+template <int MR>
+void micro(const uint8_t* a, int64_t k, const int8_t* w, int64_t t0, int nt, int64_t n, const int32_t* comp,
+           const uint16_t* scale, int32_t zero, float* out) {
+  const uint8_t* rows[MR];
+  for (int m = 0; m < MR; ++m) rows[m] = a + m * k;
+  __m512i acc[MR][NR];
+  sums<MR>(rows, k, w, t0, nt, acc);
+  for (int j = 0; j < nt; ++j) {
+    const int64_t r0 = (t0 + j) * LANES;
+    const TileOut y(r0, n, comp, scale, zero);
+    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(out + m * n + r0, y.mask, y(acc[m][j]));
   }
 }
 
@@ -131,44 +148,18 @@ at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& c
 template <int P>
 void micro_passes(const uint8_t* a, int64_t m, int64_t k, const int8_t* w, int64_t r, int64_t t0, int nt, int64_t n,
                   const int32_t* comp, const uint16_t* scale, const float* ascale, float* out) {
-  constexpr int MR = 2 * P;
-  const int64_t steps = k / 4, tile = k * LANES;
-  const uint8_t* rows[MR];
+  const uint8_t* rows[2 * P];
   for (int p = 0; p < P; ++p) rows[2 * p] = a + (r + p) * k, rows[2 * p + 1] = a + (m + r + p) * k;
-  __m512i acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
-  const int8_t* wt[NR];
-  for (int j = 0; j < NR; ++j) wt[j] = w + (t0 + std::min(j, nt - 1)) * tile;
-  for (int64_t s = 0; s < steps; ++s) {
-    __m512i wv[NR];
-    for (int j = 0; j < NR; ++j) {
-      if (j < nt) {
-        _mm_prefetch(reinterpret_cast<const char*>(wt[j] + s * 64 + AHEAD), _MM_HINT_T0);
-        wv[j] = _mm512_loadu_si512(wt[j] + s * 64);
-      }
-    }
-    for (int i = 0; i < MR; ++i) {
-      int32_t four;
-      std::memcpy(&four, rows[i] + s * 4, 4);
-      const __m512i av = _mm512_set1_epi32(four);
-      for (int j = 0; j < NR; ++j)
-        if (j < nt) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], av, wv[j]);
-    }
-  }
+  __m512i acc[2 * P][NR];
+  sums<2 * P>(rows, k, w, t0, nt, acc);
   for (int j = 0; j < nt; ++j) {
-    const int64_t r0 = (t0 + j) * LANES, left = std::min<int64_t>(LANES, n - r0);
-    const __mmask16 mask = left == LANES ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    const __m512i zc = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(mask, comp + r0), _mm512_set1_epi32(128));
-    const __m512i sb = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, scale + r0));
-    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(sb, 16));
+    const int64_t r0 = (t0 + j) * LANES;
+    const TileOut y(r0, n, comp, scale, 128);
     for (int p = 0; p < P; ++p) {
-      const __m512 y1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[2 * p][j], zc)), sc);
-      const __m512 y2 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[2 * p + 1][j], zc)), sc);
       // two products and one sum, as the Python computes them (no fused multiply-add)
-      const __m512 f = _mm512_add_ps(_mm512_mul_ps(y1, _mm512_set1_ps(ascale[r + p])),
-                                     _mm512_mul_ps(y2, _mm512_set1_ps(ascale[m + r + p])));
-      _mm512_mask_storeu_ps(out + (r + p) * n + r0, mask, f);
+      const __m512 f = _mm512_add_ps(_mm512_mul_ps(y(acc[2 * p][j]), _mm512_set1_ps(ascale[r + p])),
+                                     _mm512_mul_ps(y(acc[2 * p + 1][j]), _mm512_set1_ps(ascale[m + r + p])));
+      _mm512_mask_storeu_ps(out + (r + p) * n + r0, y.mask, f);
     }
   }
 }
