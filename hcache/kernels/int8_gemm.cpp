@@ -110,6 +110,21 @@ void micro(const uint8_t* a, int64_t k, const int8_t* w, int64_t t0, int nt, int
   }
 }
 
+// `f(rows, r, t0, nt)` over every block of `rows` (<= RMAX) activation rows from r and group
+// of nt (<= NR) tiles from t0: threads take groups of tiles; for many rows (a prefill) a block
+// of `block` rows stays in L2 while a thread's tiles stream past
+template <int RMAX, typename F>
+void over_tiles(int64_t m, int64_t tiles, int64_t block, F&& f) {
+  at::parallel_for(0, (tiles + NR - 1) / NR, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r0 = 0; r0 < m; r0 += block)
+      for (int64_t g = b; g < e; ++g) {
+        const int nt = int(std::min<int64_t>(NR, tiles - g * NR));
+        for (int64_t r = r0; r < std::min(m, r0 + block); r += RMAX)
+          hcache::with_rows<RMAX>(int(std::min<int64_t>(RMAX, m - r)), [&](auto rows) { f(rows, r, g * NR, nt); });
+      }
+  });
+}
+
 // `(a - zero) @ w.T * scale`: a uint8 [M, K], w packed by `pack` for N rows, comp its row
 // sums, scale bfloat16 [N] -> float32 [M, N]
 at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& comp, const at::Tensor& scale,
@@ -122,22 +137,12 @@ at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& c
   TORCH_CHECK(comp.scalar_type() == at::kInt && scale.scalar_type() == at::kBFloat16, "int8_mm: int32 sums, bfloat16 scales");
   at::Tensor out = at::empty({m, n}, a.options().dtype(at::kFloat));
   const uint8_t* ap = a.data_ptr<uint8_t>();
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const int32_t* cp = comp.data_ptr<int32_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
   float* op = out.data_ptr<float>();
-  const int64_t groups = (tiles + NR - 1) / NR;
-  // many rows (a prefill): a block of them stays in L2 while a thread's tiles stream past
   const int64_t block = std::max<int64_t>(MR_MAX, (ACT_BLOCK / k) / MR_MAX * MR_MAX);
-  at::parallel_for(0, groups, 1, [&](int64_t b, int64_t e) {
-    for (int64_t r0 = 0; r0 < m; r0 += block)
-      for (int64_t g = b; g < e; ++g) {
-        const int nt = int(std::min<int64_t>(NR, tiles - g * NR));
-        for (int64_t r = r0; r < std::min(m, r0 + block); r += MR_MAX)
-          hcache::with_rows<MR_MAX>(int(std::min<int64_t>(MR_MAX, m - r)), [&](auto mr) {
-            micro<decltype(mr)::value>(ap + r * k, k, wp, g * NR, nt, n, cp, sp, int32_t(zero), op + r * n);
-          });
-      }
+  over_tiles<MR_MAX>(m, tiles, block, [&](auto rows, int64_t r, int64_t t0, int nt) {
+    micro<decltype(rows)::value>(ap + r * k, k, w.data_ptr<int8_t>(), t0, nt, n, comp.data_ptr<int32_t>(), sp,
+                                 int32_t(zero), op + r * n);
   });
   return out;
 }
@@ -186,23 +191,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   hcache::quantize_rows(xc, reinterpret_cast<int8_t*>(a.data_ptr<uint8_t>()), scales.data(), int8_t(-128));
   at::Tensor out = at::empty({m, n}, xc.options().dtype(at::kFloat));
   const uint8_t* ap = a.data_ptr<uint8_t>();
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const int32_t* cp = comp.data_ptr<int32_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
-  float* op = out.data_ptr<float>();
-  const int64_t groups = (tiles + NR - 1) / NR;
   constexpr int P_MAX = MR_MAX / 2;
-  // many rows (a prefill): a block of them (both passes) stays in L2 while a thread's tiles stream past
-  const int64_t block = std::max<int64_t>(P_MAX, (ACT_BLOCK / (2 * k)) / P_MAX * P_MAX);
-  at::parallel_for(0, groups, 1, [&](int64_t b, int64_t e) {
-    for (int64_t r0 = 0; r0 < m; r0 += block)
-      for (int64_t g = b; g < e; ++g) {
-        const int nt = int(std::min<int64_t>(NR, tiles - g * NR));
-        for (int64_t r = r0; r < std::min(m, r0 + block); r += P_MAX)
-          hcache::with_rows<P_MAX>(int(std::min<int64_t>(P_MAX, m - r)), [&](auto p) {
-            micro_passes<decltype(p)::value>(ap, m, k, wp, r, g * NR, nt, n, cp, sp, scales.data(), op);
-          });
-      }
+  const int64_t block = std::max<int64_t>(P_MAX, (ACT_BLOCK / (2 * k)) / P_MAX * P_MAX);  // both passes in L2
+  over_tiles<P_MAX>(m, tiles, block, [&](auto rows, int64_t r, int64_t t0, int nt) {
+    micro_passes<decltype(rows)::value>(ap, m, k, w.data_ptr<int8_t>(), r, t0, nt, n, comp.data_ptr<int32_t>(), sp,
+                                        scales.data(), out.data_ptr<float>());
   });
   return out;
 }
