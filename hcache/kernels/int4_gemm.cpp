@@ -55,14 +55,14 @@ at::Tensor pack(const at::Tensor& q) {
 }
 
 struct Operands {
-  const int8_t* a;      // [M, K] activations
-  const int32_t* asum;  // [M, K / GROUP] each group's sum of them, times 8
-  const float* asumf;   // [M, K / GROUP] and that sum
-  const float* ascale;  // [M] each row's scale
+  const int8_t* a;      // [2M, K] activations: row i's first pass, row M + i its second
+  const int32_t* asum;  // [2M, K / GROUP] each group's sum of them, times 8
+  const float* asumf;   // [2M, K / GROUP] and that sum
+  const float* ascale;  // [2M] each row's scale
   const uint8_t* w;     // tiles
   const uint32_t* sz;   // [K / GROUP, N] bfloat16 (scale, zero) pairs
-  float* out;           // [M / 2, N]
-  int64_t m, k, n;      // m: rows of one pass (row i's second pass is row m + i)
+  float* out;           // [M, N]
+  int64_t m, k, n;
 };
 
 // rows r..r+P of the activations, both passes of each (rows i and m + i), against tiles
