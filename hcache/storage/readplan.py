@@ -78,7 +78,8 @@ def plan_requests(
     """Requests, made as they are asked for, in the order a restore consumes layers. Each
     starts at the earliest chunk of the lowest layer not yet asked for and runs forward over
     wanted slots of its slab at most `max_gap` apart, taking other layers' chunks too when
-    they are less than `ahead` layers later (needed soon anyway), so a layer is whole after
+    they are less than `ahead` layers later (needed soon anyway; but not into the first
+    layer's requests, which the consumer waits on with nothing else to do), so a layer is whole after
     the requests that precede the next layer's, however its extents are spread through the
     slab. A slab's first request is at most `first_bytes` and each next one may be twice the
     last, up to `max_bytes`: the first layers arrive soon, and the bulk comes in requests
@@ -97,6 +98,7 @@ def plan_requests(
     slot = np.fromiter(map(_SLOT, rows), np.int64, n)
     layer = np.fromiter(map(_LAYER, rows), np.int64, n)
     idx = np.fromiter(map(_IDX, rows), np.int64, n)
+    first_layer = int(layer.min())
     o = np.lexsort((slot, grp))  # slab by slab, in slot order
     g, s, lay, ix = grp[o], slot[o], layer[o], idx[o]
     cut = np.ones(n, dtype=bool)
@@ -119,7 +121,7 @@ def plan_requests(
             heapq.heappush(heap, (lo_layer, ix_[p], e))
             continue
         k = g_[p]
-        first, stop = s_[p], lo_layer + ahead
+        first, stop = s_[p], lo_layer + (1 if lo_layer == first_layer else ahead)
         bound = first + max(1, size[k] // per_slot[k % len(slabs)])  # slots at or past this do not fit
         j, f = p, e
         while True:

@@ -410,7 +410,10 @@ def test_read_requests_follow_layer_order_and_grow():
         done = max(i for i, q in enumerate(qs) if any(c.layer == layer for c in q.chunks))
         later = [i for i, q in enumerate(qs) if q.min_layer > layer]
         assert not later or done < min(later), f"layer {layer} completes after a later layer's request"
-    assert next(q.count for q in plan_requests(rows, {"h.x": slot}, max_bytes=8 << 20)) > 2
+    # the first layer's requests hold its chunks alone: the consumer waits on them, idle
+    assert all(c.layer == 0 for q in qs if q.min_layer == 0 for c in q.chunks)
+    assert any(len({c.layer for c in q.chunks}) > 1 for q in qs)  # later ones run on into the next layers
+    assert next(q.count for q in plan_requests(rows, {"h.x": slot}, max_bytes=8 << 20) if q.min_layer > 0) > 2
     near = list(plan_requests(rows, {"h.x": slot}, max_bytes=8 << 20, ahead=2))
     assert all(c.layer - q.min_layer < 2 for q in near for c in q.chunks)
     assert sorted((c.layer, c.idx) for q in near for c in q.chunks) == got
@@ -425,16 +428,18 @@ def _plan_chunk_by_chunk(rows, slot_bytes, max_bytes, max_gap=2, first_bytes=0, 
         by_slab.setdefault((r.dir, r.slab), []).append(r)
     size = dict.fromkeys(by_slab, min(first_bytes or max_bytes, max_bytes))
     taken, out = set(), []
+    first_layer = min((r.layer for r in rows), default=0)
     for r in sorted(rows, key=lambda r: (r.layer, r.idx)):
         if id(r) in taken:
             continue
         members = by_slab[(r.dir, r.slab)]
         p = members.index(r)
         limit = max(1, size[(r.dir, r.slab)] // slot_bytes[r.slab])
+        stop = r.layer + (1 if r.layer == first_layer else ahead)
         j, last = p + 1, r.slot
         while j < len(members):
             c = members[j]
-            if id(c) in taken or c.layer >= r.layer + ahead or c.slot - last > max_gap or c.slot - r.slot >= limit:
+            if id(c) in taken or c.layer >= stop or c.slot - last > max_gap or c.slot - r.slot >= limit:
                 break
             last, j = c.slot, j + 1
         taken.update(id(c) for c in members[p:j])
