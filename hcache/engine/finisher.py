@@ -15,6 +15,7 @@ from hcache.engine.errors import EngineError, ResourceExhausted
 from hcache.engine.parts import Parts
 from hcache.engine.sequence import Event, Sequence
 from hcache.engine.session import SessionMeta
+from hcache.storage.catalogue import Lease
 from hcache.storage.errors import StorageError, StorageFull
 
 log = logging.getLogger(__name__)
@@ -83,9 +84,24 @@ class Finisher:
                 seq.session.meta.mode = seq.prev_mode
                 seq.session.drop_fetched()  # (rows are staged only once the job runs)
             seq.session.busy = False
-        if seq.lease is not None:
-            self._pool.submit(self.sharing.release, seq.lease)  # a network call: never under the lock
-            seq.lease = None
+        lease, seq.lease = seq.lease, None
+        if lease is None:
+            self._report(seq, err)
+        else:  # a network call, never under the lock (nor on the loop's thread)
+            self._pool.submit(self._release_then_report, seq, lease, err)
+
+    def _release_then_report(self, seq: Sequence, lease: Lease, err: Exception) -> None:
+        """The lease goes before the error does: a client that retries at once must not find
+        the session still leased to its failed turn."""
+        try:
+            self.sharing.release(lease)
+        except Exception as e:  # the lease then expires on its own
+            log.warning("lease of %s not released: %s", seq.session.id, e)
+        finally:
+            self._report(seq, err)
+
+    @staticmethod
+    def _report(seq: Sequence, err: Exception) -> None:
         seq.error = err
         seq.events.put(Event(error=err))
         seq.done.set()
