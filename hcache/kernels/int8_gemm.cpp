@@ -137,12 +137,13 @@ at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& c
   TORCH_CHECK(comp.scalar_type() == at::kInt && scale.scalar_type() == at::kBFloat16, "int8_mm: int32 sums, bfloat16 scales");
   at::Tensor out = at::empty({m, n}, a.options().dtype(at::kFloat));
   const uint8_t* ap = a.data_ptr<uint8_t>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const int32_t* cp = comp.data_ptr<int32_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
   float* op = out.data_ptr<float>();
   const int64_t block = std::max<int64_t>(MR_MAX, (ACT_BLOCK / k) / MR_MAX * MR_MAX);
   over_tiles<MR_MAX>(m, tiles, block, [&](auto rows, int64_t r, int64_t t0, int nt) {
-    micro<decltype(rows)::value>(ap + r * k, k, w.data_ptr<int8_t>(), t0, nt, n, comp.data_ptr<int32_t>(), sp,
-                                 int32_t(zero), op + r * n);
+    micro<decltype(rows)::value>(ap + r * k, k, wp, t0, nt, n, cp, sp, int32_t(zero), op + r * n);
   });
   return out;
 }
@@ -191,12 +192,14 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   hcache::quantize_rows(xc, reinterpret_cast<int8_t*>(a.data_ptr<uint8_t>()), scales.data(), int8_t(-128));
   at::Tensor out = at::empty({m, n}, xc.options().dtype(at::kFloat));
   const uint8_t* ap = a.data_ptr<uint8_t>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const int32_t* cp = comp.data_ptr<int32_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
+  float* op = out.data_ptr<float>();
   constexpr int P_MAX = MR_MAX / 2;
   const int64_t block = std::max<int64_t>(P_MAX, (ACT_BLOCK / (2 * k)) / P_MAX * P_MAX);  // both passes in L2
   over_tiles<P_MAX>(m, tiles, block, [&](auto rows, int64_t r, int64_t t0, int nt) {
-    micro_passes<decltype(rows)::value>(ap, m, k, w.data_ptr<int8_t>(), r, t0, nt, n, comp.data_ptr<int32_t>(), sp,
-                                        scales.data(), out.data_ptr<float>());
+    micro_passes<decltype(rows)::value>(ap, m, k, wp, r, t0, nt, n, cp, sp, scales.data(), op);
   });
   return out;
 }
