@@ -27,7 +27,8 @@ namespace {
 
 constexpr int64_t LANES = 16;   // output rows per tile
 constexpr int64_t GROUP = 32;   // inputs per scale and zero
-constexpr int NR = 2;           // tiles a micro-kernel streams at once
+constexpr int NR_MAX = 2;       // tiles a micro-kernel streams at once, past FEW rows
+constexpr int64_t FEW = 1;      // up to these rows, one tile: the weights then stream in order
 constexpr int MR_MAX = 4;       // activation rows it holds: NR * MR_MAX int32 and float32 sums
 constexpr int64_t AHEAD = 512;  // bytes of each tile's stream prefetched ahead of use
 
@@ -62,12 +63,12 @@ struct Operands {
   const uint8_t* w;     // tiles
   const uint32_t* sz;   // [K / GROUP, N] bfloat16 (scale, zero) pairs
   float* out;           // [M, N]
-  int64_t m, k, n;
+  int64_t m, k, n, tiles;
 };
 
 // rows r..r+P of the activations, both passes of each (rows i and m + i), against tiles
 // t0..t0+nt (nt <= NR): the two passes' sums meet as `y1 * s1 + y2 * s2` in registers
-template <int P>
+template <int P, int NR>
 void micro(const Operands& o, int64_t r, int64_t t0, int nt) {
   constexpr int MR = 2 * P;
   int64_t row[MR];
@@ -108,6 +109,11 @@ void micro(const Operands& o, int64_t r, int64_t t0, int nt) {
           }
       }
     }
+    // the next tiles' line of this group's scales, `n` pairs past the last group's: the
+    // prefetchers do not follow that stride
+    for (int j = 0; j < NR; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(o.sz + g * o.n + std::min(t0 + NR + j, o.tiles - 1) * LANES),
+                   _MM_HINT_T0);
     for (int j = 0; j < nt; ++j) {
       // the pairs of 16 lanes: the scale in the low half of each 32 bits, the zero in the high
       const __m512i v = _mm512_maskz_loadu_epi32(mask[j], o.sz + g * o.n + (t0 + j) * LANES);
@@ -172,17 +178,25 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   at::Tensor y = at::empty({m, n}, f32);
   const Operands o{q.data_ptr<int8_t>(), sum8.data_ptr<int32_t>(), sumf.data_ptr<float>(), scales.data(),
                    wc.data_ptr<uint8_t>(), reinterpret_cast<const uint32_t*>(szc.data_ptr<at::BFloat16>()),
-                   y.data_ptr<float>(), m, k, n};
-  const int64_t tgroups = (tiles + NR - 1) / NR;
+                   y.data_ptr<float>(), m, k, n, tiles};
   constexpr int P_MAX = MR_MAX / 2;
-  at::parallel_for(0, tgroups, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const int nt = int(std::min<int64_t>(NR, tiles - t * NR));
-      for (int64_t r = 0; r < m; r += P_MAX)
-        hcache::with_rows<P_MAX>(int(std::min<int64_t>(P_MAX, m - r)),
-                                 [&](auto p) { micro<decltype(p)::value>(o, r, t * NR, nt); });
-    }
-  });
+  // a few rows are bound by reading the weights, which one tile at a time reads in order
+  // (two interleaved tiles' streams read slower); more rows reuse each load for NR_MAX tiles
+  auto run = [&](auto nr) {
+    constexpr int R = decltype(nr)::value;
+    at::parallel_for(0, (tiles + R - 1) / R, 1, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const int nt = int(std::min<int64_t>(R, tiles - t * R));
+        for (int64_t r = 0; r < m; r += P_MAX)
+          hcache::with_rows<P_MAX>(int(std::min<int64_t>(P_MAX, m - r)),
+                                   [&](auto p) { micro<decltype(p)::value, R>(o, r, t * R, nt); });
+      }
+    });
+  };
+  if (m <= FEW)
+    run(std::integral_constant<int, 1>{});
+  else
+    run(std::integral_constant<int, NR_MAX>{});
   return y;
 }
 
