@@ -58,3 +58,40 @@ def test_batched_decode_equals_per_sequence(dtype):
         want.append(x.attend(4, q[i : i + 1], k[i : i + 1], v[i : i + 1]))
         x.commit()
     assert torch.equal(got, torch.cat(want))
+
+
+def test_a_sequences_rows_take_reads_in_place_and_wait_for_them_before_going_back():
+    """`kv_rows` are the pool's own memory (each token's K then V, page-aligned at a block),
+    a write of those very rows copies nothing, and `free`/`truncate` let every reader that
+    `hold` named finish before the blocks return to the pool."""
+    cfg = DEFAULT_GEOMETRY
+    pool = BlockPool(cfg, torch.bfloat16, "cpu", 8)
+    other = PagedCache(pool)
+    other.reserve(BLOCK_TOKENS)  # the sequence below starts at block 1
+    c = PagedCache(pool)
+    c.reserve(3 * BLOCK_TOKENS)
+    rows = c.kv_rows(2, BLOCK_TOKENS, 3 * BLOCK_TOKENS)
+    assert rows is not None and rows.shape == (2 * BLOCK_TOKENS, 2, cfg.kv_dim)
+    assert rows.data_ptr() % 4096 == 0
+    rows.copy_(torch.randn(rows.shape))
+    k, v = c.layer_kv(2, 3 * BLOCK_TOKENS)
+    assert torch.equal(k[BLOCK_TOKENS:].flatten(1), rows[:, 0]) and torch.equal(v[BLOCK_TOKENS:].flatten(1), rows[:, 1])
+    before = rows.clone()
+    c.write(
+        2,
+        rows[:, 0].unflatten(1, (cfg.num_kv_heads, cfg.head_dim)),
+        rows[:, 1].unflatten(1, (cfg.num_kv_heads, cfg.head_dim)),
+        start=BLOCK_TOKENS,
+    )
+    assert torch.equal(rows, before)
+    assert c.kv_rows(2, 0, 4 * BLOCK_TOKENS) is None  # past its blocks
+    free_at_settle = []
+    c.hold(lambda: free_at_settle.append(pool.num_free))
+    c.length = 3 * BLOCK_TOKENS
+    c.truncate(2 * BLOCK_TOKENS + 1)  # keeps every block: no reader need end
+    assert free_at_settle == []
+    c.truncate(BLOCK_TOKENS)  # gives two blocks back: the reader ends first
+    assert free_at_settle == [4]
+    c.hold(lambda: free_at_settle.append(pool.num_free))
+    c.free()
+    assert free_at_settle == [4, 6] and pool.num_free == 7
