@@ -8,8 +8,6 @@ as one run where possible: a contiguous table is read as a view, not gathered.""
 from __future__ import annotations
 
 import bisect
-import math
-from collections.abc import Callable
 
 import torch
 
@@ -17,8 +15,6 @@ from hcache.model.attention import causal_attention, key_width
 from hcache.model.base import DecoderModel
 from hcache.model.decode import BLOCK_TOKENS, Paged
 from hcache.model.geometry import ModelConfig
-from hcache.storage.layout import ALIGN
-from hcache.storage.slab import aligned_buffer, hugepage_later
 
 
 def resident_kv_dtype(choice: str, model: DecoderModel) -> torch.dtype:
@@ -28,22 +24,6 @@ def resident_kv_dtype(choice: str, model: DecoderModel) -> torch.dtype:
     if choice == "auto":
         return torch.bfloat16 if model.weights == "packed" else model.dtype
     return model.dtype if choice == "model" else getattr(torch, choice)
-
-
-def layer_rows(rows: int, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeroed `[rows, 2, kv_heads, head_dim]`. On a CPU, page-aligned memory faulted in now
-    (not on a decode step's path) and then marked for huge pages: O_DIRECT reads land in it,
-    and the block layer cuts a request at each physically separate segment."""
-    shape = (rows, 2, cfg.num_kv_heads, cfg.head_dim)
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    buf = aligned_buffer(math.prod(shape) * dtype.itemsize, huge=False)
-    torch.frombuffer(buf, dtype=torch.uint8)[::ALIGN].zero_()  # a write per page: faulted in here
-    hugepage_later(buf)
-    flat = torch.frombuffer(buf, dtype=dtype, count=math.prod(shape))
-    # a tensor of its own, not a view (as torch.zeros gives): the compiled decode step takes
-    # views of it, and a view's base is part of what the graph was traced for
-    return torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), 0, shape)
 
 
 class OutOfBlocks(Exception):
@@ -56,11 +36,10 @@ class BlockPool:
             raise ValueError("the block pool needs at least one block")
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.num_blocks = num_blocks
-        # token-major per layer, a block rows b*64 .. b*64+63, each token's K then V: a stored
-        # KV chunk's own layout, so a restore reads chunks straight into a session's rows
-        self.kv = [layer_rows(num_blocks * BLOCK_TOKENS, cfg, dtype, self.device) for _ in range(cfg.num_layers)]
-        self.k = [t[:, 0] for t in self.kv]
-        self.v = [t[:, 1] for t in self.kv]
+        shape = (num_blocks * BLOCK_TOKENS, cfg.num_kv_heads, cfg.head_dim)
+        # token-major per layer: a block is rows b*64 .. b*64+63
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)]
         self._free: list[int] = list(range(num_blocks))  # sorted
 
     @staticmethod
@@ -119,7 +98,6 @@ class PagedCache:
         self._pending = 0
         self._rows = torch.empty(0, dtype=torch.long, device=pool.device)  # token position -> pool row
         self._one: Paged | None = None  # a one-token forward's attention, for its layers
-        self._writers: list[Callable[[], None]] = []  # each returns once its reads into our rows end
 
     @property
     def capacity(self) -> int:
@@ -163,9 +141,6 @@ class PagedCache:
         s = self.length if start is None else start
         rows = self._span(s, k.shape[0])
         if isinstance(rows, slice):
-            dk, dv = self.pool.k[layer][rows], self.pool.v[layer][rows]
-            if _same(k, dk) and _same(v, dv):  # read in place (`kv_rows`): nothing to copy
-                return
             self.pool.k[layer][rows] = k
             self.pool.v[layer][rows] = v
         else:
@@ -185,25 +160,6 @@ class PagedCache:
             return None
         return self.pool.k[layer][rows], self.pool.v[layer][rows]
 
-    def kv_rows(self, layer: int, start: int, end: int) -> torch.Tensor | None:
-        """Positions `start..end` of `layer` as `[n, 2, kv_dim]` (each token's K then V), for a
-        restore to read stored chunks into, when the blocks are one run in host memory; None
-        otherwise. Whoever reads into them passes `hold` a way to wait for those reads."""
-        rows = self._span(start, end - start)
-        if not isinstance(rows, slice) or end > self.capacity or self.pool.device.type != "cpu":
-            return None
-        return self.pool.kv[layer][rows].view(end - start, 2, -1)
-
-    def hold(self, settle: Callable[[], None]) -> None:
-        """`settle()` returns once reads into this sequence's rows have ended: called before
-        its blocks go back to the pool, where another sequence could take them."""
-        self._writers.append(settle)
-
-    def settle(self) -> None:
-        writers, self._writers = self._writers, []
-        for w in writers:
-            w()
-
     def layer_kv(self, layer: int, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.length if n is None else n
         rows = self._span(0, n)
@@ -222,13 +178,11 @@ class PagedCache:
         self.length = min(self.length, n)
         keep = -(-self.length // BLOCK_TOKENS)
         if keep < len(self.blocks):
-            self.settle()
             self.pool.release(self.blocks[keep:])
             del self.blocks[keep:]
             self._rows = self._rows[: keep * BLOCK_TOKENS]
 
     def free(self) -> None:
-        self.settle()
         self.pool.release(self.blocks)
         self.blocks, self.length, self._pending = [], 0, 0
         self._rows = self._rows[:0]
@@ -243,11 +197,6 @@ class PagedCache:
         self.write(layer, k, v)
         keys, values = self.layer_kv(layer, self.length + q.shape[0])
         return causal_attention(q, keys, values, scale)
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The same elements of the same memory."""
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
 class BatchCache:

@@ -19,9 +19,7 @@ from hcache.model.geometry import ModelConfig
 
 
 class KVCache:
-    """Per-layer K and V, token-major `[capacity, n_kv_heads, head_dim]`, grown by doubling:
-    views of one `[capacity, 2, n_kv_heads, head_dim]` per layer (each token's K then V), the
-    engine's pool layout, so that kernels compiled on one serve the other."""
+    """Per-layer K and V, token-major `[capacity, n_kv_heads, head_dim]`, grown by doubling."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", capacity: int = 256):
         capacity = key_width(capacity)
@@ -32,16 +30,12 @@ class KVCache:
         self._pending = 0  # tokens of the forward in progress
         # a one-token forward's key rows and length (`decode_attention`), for its layers
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._set([self._empty(capacity) for _ in range(cfg.num_layers)])
+        self.k = [self._empty(capacity) for _ in range(cfg.num_layers)]
+        self.v = [self._empty(capacity) for _ in range(cfg.num_layers)]
 
     def _empty(self, n: int) -> torch.Tensor:
         # zeros: a decode step reads (masked) rows past `length`, and 0 * NaN would leak through
-        return torch.zeros(n, 2, self.cfg.num_kv_heads, self.cfg.head_dim, dtype=self.dtype, device=self.device)
-
-    def _set(self, kv: list[torch.Tensor]) -> None:
-        self.kv = kv
-        self.k = [t[:, 0] for t in kv]
-        self.v = [t[:, 1] for t in kv]
+        return torch.zeros(n, self.cfg.num_kv_heads, self.cfg.head_dim, dtype=self.dtype, device=self.device)
 
     @property
     def capacity(self) -> int:
@@ -53,11 +47,11 @@ class KVCache:
         if need <= self.capacity:
             return
         cap = key_width(max(need, 2 * self.capacity))
-        grown = []
-        for old in self.kv:
-            grown.append(self._empty(cap))
-            grown[-1][: self.length] = old[: self.length]
-        self._set(grown)
+        for store in (self.k, self.v):
+            for i, old in enumerate(store):
+                new = self._empty(cap)
+                new[: self.length] = old[: self.length]
+                store[i] = new
 
     def begin(self, n: int, start: int | None = None) -> None:
         """Start a forward of `n` tokens at `start` (default: after the committed ones)."""

@@ -303,11 +303,9 @@ class DecodeGraph:
         rows are not touched). Returns the seconds it took."""
         t0 = time.perf_counter()
         cfg, dev = self.model.cfg, self.model.device
-        # the serving pool's layout (engine/block_pool.py): each token's K then V, so the
-        # graphs take views of its strides
-        shape = (11 * BLOCK_TOKENS, 2, cfg.num_kv_heads, cfg.head_dim)
-        kv = [torch.zeros(shape, dtype=kv_dtype, device=dev) for _ in range(cfg.num_layers)]
-        k, v = [t[:, 0] for t in kv], [t[:, 1] for t in kv]
+        shape = (11 * BLOCK_TOKENS, cfg.num_kv_heads, cfg.head_dim)
+        k = [torch.zeros(shape, dtype=kv_dtype, device=dev) for _ in range(cfg.num_layers)]
+        v = [torch.zeros(shape, dtype=kv_dtype, device=dev) for _ in range(cfg.num_layers)]
         # compile even where serving already refuses to (`serve_compiled_only`: a later engine)
         with torch.compiler.set_stance("default"):
             # two values of each size, none equal to another (nor 0 or 1, nor a pool's

@@ -142,10 +142,6 @@ class RestoreJob:
     def start(self) -> None:
         """Start the reads (they run behind the recompute prefix)."""
         self._t0 = time.perf_counter()
-        rows_of, hold = getattr(self.cache, "kv_rows", None), getattr(self.cache, "hold", None)
-        if self.split is None and rows_of is not None and hold is not None:
-            self.source.read_into(rows_of)  # stored KV read straight into the cache's rows
-            hold(self.source.close)
         if self.split is None:
             self.source.prepare(self.plan)
         else:

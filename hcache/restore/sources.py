@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from hcache.restore.plan import Plan
-from hcache.restore.state import KVRowsOf, StateSource, StateUnavailable
+from hcache.restore.state import StateSource, StateUnavailable
 from hcache.storage.errors import ChunkError
 from hcache.storage.fetched import Fetched
 from hcache.storage.layout import CHUNK_TOKENS, Kind
@@ -23,8 +23,6 @@ class StoreSource(StateSource):
         self.row = store.check_fingerprint(owner, fingerprint)
         self.stored = store.layer_kinds(self.row)
         self.reader: OwnerReader | None = None
-        self._retired: list[OwnerReader] = []  # replaced by `_get`'s unprepared reads
-        self._into: KVRowsOf | None = None
         self._ranges: dict[tuple[int, Kind], tuple[int, int]] = {}
         self._kinds: dict[int, list[Kind]] = {}  # layer -> the kinds read for it
         cfg = store.model
@@ -41,20 +39,7 @@ class StoreSource(StateSource):
         for w in wants:
             self._kinds.setdefault(w.layer, []).append(w.kind)
         whole = [Want(w.layer, w.kind, w.lo - w.lo % CHUNK_TOKENS, w.hi) for w in wants]
-        into = {}
-        for w in whole if self._into is not None else ():
-            if w.kind == Kind.KV and (rows := self._into(w.layer, w.lo, w.hi)) is not None:
-                into[(w.layer, w.kind)] = rows
-        if self.reader is not None:
-            self._retired.append(self.reader)
-        self.reader = self.store.reader(self.owner, wants=whole, into=into)
-
-    def read_into(self, rows: KVRowsOf) -> None:
-        self._into = rows
-
-    def close(self) -> None:
-        for r in [*self._retired, *([self.reader] if self.reader else [])]:
-            r.close()
+        self.reader = self.store.reader(self.owner, wants=whole)
 
     def prepare(self, plan: Plan) -> None:
         """Fetch what the plan reads where the layer stores it; the rest fails over to recompute."""
@@ -172,17 +157,6 @@ class SharedSource(StateSource):
         self.parent.prepare_split(min(split, self.base))
         if self.own is not None:
             self.own.prepare_split(max(0, split - self.base))
-
-    def read_into(self, rows: KVRowsOf) -> None:
-        base = self.base
-        # the parent's rows past `base` are the own part's: a longer parent is copied
-        self.parent.read_into(lambda layer, lo, hi: rows(layer, lo, hi) if hi <= base else None)
-        if self.own is not None:
-            self.own.read_into(lambda layer, lo, hi: rows(layer, lo + base, hi + base))
-
-    def close(self) -> None:
-        for s in self._parts():
-            s.close()
 
     def ready(self, layer: int) -> bool:
         return all(s.ready(layer) for s in self._parts())

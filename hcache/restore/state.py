@@ -5,7 +5,6 @@ it; the chunk store (hcache/storage) is the persistent source with the same ABC.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -13,8 +12,6 @@ import torch
 from hcache.model.attention import KVCache
 from hcache.model.geometry import ModelConfig
 from hcache.restore.plan import Plan
-
-KVRowsOf = Callable[[int, int, int], torch.Tensor | None]
 
 
 class StateUnavailable(Exception):
@@ -39,14 +36,6 @@ class StateSource(ABC):
 
     def release(self, layer: int) -> None:  # noqa: B027 - optional hook
         """The restorer is done with what `hidden(layer)` / `kv(layer)` returned."""
-
-    def read_into(self, rows: KVRowsOf) -> None:  # noqa: B027 - optional hook
-        """Before `prepare`: a layer's stored KV of tokens `lo:hi` may land straight in
-        `rows(layer, lo, hi)` (the resident cache's `[hi - lo, 2, kv_dim]`, each token's K then
-        V), where that is not None; `kv` then returns views of those rows."""
-
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Stop reading; returns once nothing more lands in the rows `read_into` gave."""
 
     @property
     def bytes_read(self) -> int:

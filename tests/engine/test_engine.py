@@ -14,7 +14,6 @@ from engine_helpers import make_engine, reference, turn, word_tokenizer
 from hcache.engine.errors import EngineError, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from hcache.engine.sampler import SamplingParams
 from hcache.restore.plan import Method
-from hcache.storage.layout import Kind
 
 
 @pytest.fixture(params=["llama_gqa", "llama_mha", "opt"])
@@ -135,37 +134,6 @@ def test_fused_and_sequential_restore_prefill_agree(tmp_path, tiny_folder, fused
         got2, stats = turn(eng, s.id, token_ids=second, params=p)
         assert got2 == reference(model, first + got1 + second, p, set())
         assert stats["restore_ms"] > 0 and stats["cached_tokens"] == len(first) + len(got1) - 1
-    finally:
-        eng.close()
-        store.close()
-
-
-def test_a_kv_restore_reads_chunks_into_the_sessions_blocks(tmp_path, tiny_folder, monkeypatch):
-    """A KV restore reads the stored chunks straight into the session's rows of the block
-    pool (no layer buffer, no copy after), and the turn after it is the never-evicted one."""
-    model = tload(tiny_folder("llama_gqa"))
-    tok = word_tokenizer(model.cfg.vocab_size)
-    eng, store = make_engine(model, tok, [tmp_path / "s"], restore_method="kv")
-    readers = []
-    make_reader = store.reader
-    monkeypatch.setattr(store, "reader", lambda *a, **k: readers.append(make_reader(*a, **k)) or readers[-1])
-    try:
-        rng = random.Random(6)
-        p = SamplingParams(max_new_tokens=4)
-        s = eng.create_session()
-        first = rand_ids(rng, 150)
-        got1, _ = turn(eng, s.id, token_ids=first, params=p)
-        for fused in (False, True):
-            eng.evict(s.id)
-            readers.clear()
-            if not fused:
-                eng.restore(s.id, Method.KV)
-            second = rand_ids(rng, 20)
-            got2, _ = turn(eng, s.id, token_ids=second, params=p)
-            assert got2 == reference(model, first + got1 + second, p, set())
-            first, got1 = first + got1 + second, got2
-            slots = [slot for r in readers for (_, kind), slot in r.slots.items() if kind == Kind.KV]
-            assert len(slots) == model.cfg.num_layers and all(slot.borrowed for slot in slots)
     finally:
         eng.close()
         store.close()
