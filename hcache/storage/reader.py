@@ -35,7 +35,6 @@ class LayerSlot:
     mem: memoryview | None = None  # `out`'s buffer as bytes, for reads in place
     ready: threading.Event = field(default_factory=threading.Event)
     error: ChunkError | None = None
-    borrowed: bool = False  # `out` is the caller's (`into`), never the buffer pool's
 
 
 @dataclass(frozen=True)
@@ -54,19 +53,8 @@ class ReadParts:
 class OwnerReader:
     """Fetches parts of one owner's stored layers; `get(layer, kind)` blocks until that part is whole."""
 
-    def __init__(
-        self,
-        owner: str,
-        wants: list[Want],
-        window: int,
-        index: ChunkIndex,
-        parts: ReadParts,
-        into: dict[tuple[int, Kind], torch.Tensor] | None = None,
-    ):
-        """Read `wants` of `owner`, whose committed chunks are `index`, out of the slab files.
-        A want's rows land in `into[(layer, kind)]` where given (of its shape and dtype: the
-        caller's memory, read into in place where aligned), else in a pooled layer buffer;
-        `close` returns once nothing more lands in them."""
+    def __init__(self, owner: str, wants: list[Want], window: int, index: ChunkIndex, parts: ReadParts):
+        """Read `wants` of `owner`, whose committed chunks are `index`, out of the slab files."""
         self.owner, self.shapes, self.slabs, self.pool = owner, parts.shapes, parts.slabs, parts.pool
         self.buffers, self.throttle, self.stats, self.cfg = parts.buffers, parts.throttle, parts.stats, parts.cfg
         shapes, cfg = parts.shapes, parts.cfg
@@ -74,10 +62,6 @@ class OwnerReader:
         self.slots: dict[tuple[int, Kind], LayerSlot] = {}
         self.bytes_read = 0
         self._lock = threading.Lock()
-        self._settled = threading.Condition(self._lock)
-        self._inflight = 0  # requests submitted and not finished
-        self._closed = False
-        self._closing = threading.Event()
         self._cursor = min((w.layer for w in wants), default=0)
         rows: list[ChunkRow] = []
         for w in wants:
@@ -94,9 +78,6 @@ class OwnerReader:
                 slot.error = got
             else:
                 rows.extend(got)
-            t = (into or {}).get((w.layer, w.kind))
-            if t is not None and tuple(t.shape) == slot.shape and t.dtype == shapes[w.kind].dtype:
-                slot.out, slot.borrowed = t, True
             if slot.error is not None or slot.remaining == 0:
                 slot.ready.set()
         self._slot_of = {(layer, k.value): slot for (layer, k), slot in self.slots.items()}
@@ -141,22 +122,13 @@ class OwnerReader:
                 horizon += 1
         # the plan is made on the way, outside `_lock`, which reader threads take to start
         with self._planning:
-            while (q := self._next) is not None and q.min_layer < horizon and not self._closed:
-                with self._lock:
-                    self._inflight += 1
-                    if q.min_layer == self._opening:
-                        self._opening_left += 1
-                        q.opening = True
-                q.not_before = self.throttle.reserve(q.count * self._slot_bytes[q.slab])
-                if not self.pool.submit(q.dir, self._run, q):  # the store is closing
+            while (q := self._next) is not None and q.min_layer < horizon:
+                if q.min_layer == self._opening:
                     with self._lock:
-                        self._inflight -= 1
-                        self._opening_left -= q.opening
-                        q.opening = False
-                        if self._inflight == 0:
-                            self._settled.notify_all()
-                    for r in q.chunks:
-                        self._fail(r, "the store is closed")
+                        self._opening_left += 1
+                    q.opening = True
+                q.not_before = self.throttle.reserve(q.count * self._slot_bytes[q.slab])
+                self.pool.submit(q.dir, self._run, q)
                 if self._fresh:  # let the first reader have the GIL: the rest is planned meanwhile
                     self._fresh = False
                     time.sleep(0)
@@ -167,42 +139,20 @@ class OwnerReader:
         bytes just read are still in the CPU's cache (a verifier thread of its own would read
         them again from memory, taking cores from a turn that runs alongside). A later
         layer's request first waits for the first layer's (FIFO queues: those are taken
-        first, so the wait always ends). A capped request first waits for its turn, which a
-        close cuts short."""
+        first, so the wait always ends)."""
+        if not q.opening:
+            self._opened.wait()
+            self._read(q)
+            return
         try:
-            if (delay := q.not_before - time.monotonic()) > 0:
-                self._closing.wait(delay)
-            if not q.opening:
-                self._opened.wait()
-                self._read(q)
-                return
-            try:
-                self._read(q)
-            finally:
-                with self._lock:
-                    self._opening_left -= 1
-                    if self._opening_left == 0 and self._opening is None:
-                        self._opened.set()
+            self._read(q)
         finally:
             with self._lock:
-                self._inflight -= 1
-                if self._inflight == 0:
-                    self._settled.notify_all()
-
-    def close(self) -> None:
-        """Submit nothing more and skip what has not started; returns once every read has
-        finished, so no more bytes land in the `into` memory (its owner may then reuse it)."""
-        with self._lock:
-            self._closed = True
-            self._closing.set()
-            while self._inflight:
-                self._settled.wait()
+                self._opening_left -= 1
+                if self._opening_left == 0 and self._opening is None:
+                    self._opened.set()
 
     def _read(self, q: Request) -> None:
-        if self._closed:
-            for r in q.chunks:
-                self._fail(r, "the read was abandoned")
-            return
         shape = self.shapes[Kind(q.chunks[0].kind)]
         pool = self.pool
         buf = None
@@ -284,17 +234,15 @@ class OwnerReader:
         return self._in_place(slot, piece), slot.want
 
     def _in_place(self, slot: LayerSlot, piece: int) -> memoryview | None:
-        """The bytes of the slot's rows, if O_DIRECT can read chunks straight into them."""
+        """The bytes of the slot's layer buffer, if O_DIRECT can read chunks straight into it."""
         with self._lock:
             self._take(slot)
-            out = slot.out
-            assert out is not None
-            root = out if out._base is None else out._base
-            if piece % ALIGN or out.data_ptr() % ALIGN or not out.is_contiguous() or not root.is_contiguous():
+            assert slot.out is not None
+            root = slot.out if slot.out._base is None else slot.out._base
+            if piece % ALIGN or root.data_ptr() % ALIGN or not root.is_contiguous():
                 return None
             if slot.mem is None:
-                start = out.data_ptr() - root.data_ptr()
-                slot.mem = memoryview(root.view(-1).view(torch.uint8).numpy())[start : start + out.nbytes]
+                slot.mem = memoryview(root.view(-1).view(torch.uint8).numpy())
             return slot.mem
 
     def _take(self, slot: LayerSlot) -> None:
@@ -373,8 +321,7 @@ class OwnerReader:
         """The caller is done with `get`'s tensor: its memory serves the next read."""
         for (lay, k), slot in self.slots.items():
             if lay == layer and (kind is None or k == kind) and slot.out is not None and slot.ready.is_set():
-                if not slot.borrowed:
-                    self.buffers.give(slot.out)
+                self.buffers.give(slot.out)
                 slot.out, slot.mem = None, None
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from hcache import omp
 from hcache.storage.readplan import Request
+from hcache.storage.throttle import wait_until
 
 
 class ReadPool:
@@ -25,7 +26,6 @@ class ReadPool:
         self.buffers: queue.Queue = queue.Queue()
         self._make, self._buf_bytes, self._made, self._max = make_buffer, buf_bytes, 0, depth + n_dirs
         self._lock = threading.Lock()
-        self.closed = False
         self.discard = memoryview(make_buffer(discard_bytes))
         self.threads = [
             threading.Thread(target=self._loop, args=(q,), name=f"hcache-reader-{d}", daemon=True)
@@ -35,13 +35,8 @@ class ReadPool:
         for t in self.threads:
             t.start()
 
-    def submit(self, d: int, fn: Callable[[Request], None], req: Request) -> bool:
-        """Queue `fn(req)` on directory `d`'s readers; False once the pool is closed (it never runs)."""
-        with self._lock:
-            if self.closed:
-                return False
-            self.queues[d].put((fn, req))
-            return True
+    def submit(self, d: int, fn: Callable[[Request], None], req: Request) -> None:
+        self.queues[d].put((fn, req))
 
     def take(self) -> Any:
         """A bounce buffer: made on first need, then reused; waits while all are in use."""
@@ -58,11 +53,11 @@ class ReadPool:
         omp.serial()
         while (item := q.get()) is not None:
             fn, req = item
-            fn(req)  # a capped request waits for its turn in there, holding no buffer yet
+            # a capped request waits for its turn here, holding no buffer
+            wait_until(req.not_before)
+            fn(req)
 
     def close(self) -> None:
-        with self._lock:  # what was queued before runs; nothing is queued after
-            self.closed = True
         for q in self.queues:
             for _ in range(len(self.threads)):
                 q.put(None)

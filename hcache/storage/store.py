@@ -334,15 +334,9 @@ class ChunkStore:
 
     # --- reading ----------------------------------------------------------------
     def reader(
-        self,
-        owner: str,
-        layers: list[int] | None = None,
-        window: int | None = None,
-        wants: list[Want] | None = None,
-        into: dict[tuple[int, Kind], torch.Tensor] | None = None,
+        self, owner: str, layers: list[int] | None = None, window: int | None = None, wants: list[Want] | None = None
     ) -> OwnerReader:
-        """Read every stored kind of `layers` (default: all), or exactly `wants`, up to the durable
-        tokens; into the caller's memory where `into` gives it (see `OwnerReader`)."""
+        """Read every stored kind of `layers` (default: all), or exactly `wants`, up to the durable tokens."""
         row = self.owner_row(owner)
         if wants is None:
             kinds = self.layer_kinds(row)
@@ -353,7 +347,7 @@ class ChunkStore:
         elif any(w.hi > row.num_tokens for w in wants):
             raise ValueError(f"owner {owner} has {row.num_tokens} durable tokens")
         index = self.placement.chunk_index(owner)
-        return OwnerReader(owner, wants, window or self.cfg.prefetch_layers, index, self._read_parts, into)
+        return OwnerReader(owner, wants, window or self.cfg.prefetch_layers, index, self._read_parts)
 
     def read_chunk(self, owner: str, layer: int, idx: int, kind: Kind) -> torch.Tensor:
         """One whole chunk (all 64 rows of its slot), checked."""

@@ -31,3 +31,11 @@ class TokenBucket:
             self.stamp = now
             self.tokens -= n
             return now + (-self.tokens / self.rate if self.tokens < 0 else 0.0)
+
+
+def wait_until(when: float) -> float:
+    delay = when - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
+        return delay
+    return 0.0

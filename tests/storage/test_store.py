@@ -23,7 +23,6 @@ from hcache.storage.layout import CHUNK_TOKENS, Kind, chunk_shapes, home_dir
 from hcache.storage.manifest import Manifest
 from hcache.storage.outbox import HELD_STEPS
 from hcache.storage.placement import Placement
-from hcache.storage.reader import Want
 from hcache.storage.slab import aligned_buffer
 from hcache.storage.stats import StoreStats
 from hcache.storage.store import MANIFEST, ChunkStore
@@ -843,52 +842,3 @@ def test_a_full_ring_sends_the_held_batches_instead_of_waiting_on_them(dirs) -> 
         st.mark_durable("a", list(range(200)))
         check_all(st, "a", 200)
         assert st.ring.waits > 0
-
-
-def _caller_rows(n: int, width: int, dtype: torch.dtype, offset_rows: int) -> torch.Tensor:
-    """`[n, 2, width]` rows of page-aligned memory, `offset_rows` into it (a session's blocks in a pool)."""
-    total = (offset_rows + n) * 2 * width
-    flat = torch.frombuffer(aligned_buffer(total * dtype.itemsize), dtype=dtype, count=total)
-    return flat.view(-1, 2, width)[offset_rows:]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kv_rows_land_in_the_callers_memory_and_stay_its_own(dirs, dtype) -> None:
-    """Given `into`, a KV layer's chunks land in the caller's rows (full ones read in place,
-    the tail copied) and `get` returns those rows; released, they never join the reader's
-    buffer pool. A tensor of another shape is not used."""
-    with ChunkStore(StorageConfig([str(d) for d in dirs]), GEOM, dtype) as st:
-        st.create_owner("s", KINDS, "fp")
-        n = chat_turns(st, "s", turns=((200, 3), (90, 7)))  # 4 full chunks and a tail
-        width = GEOM.kv_dim
-        rows = _caller_rows(n, width, dtype, offset_rows=CHUNK_TOKENS)
-        wrong = _caller_rows(n - 1, width, dtype, offset_rows=0)
-        wants = [Want(2, Kind.KV, 0, n), Want(4, Kind.KV, 0, n)]
-        before = st.stats.chunks_read_in_place
-        r = st.reader("s", wants=wants, into={(2, Kind.KV): rows, (4, Kind.KV): wrong})
-        got = r.get(2, Kind.KV)
-        assert got.data_ptr() == rows.data_ptr() and torch.equal(rows, expected(2, Kind.KV, n).to(dtype))
-        other = r.get(4, Kind.KV)
-        assert other.data_ptr() != wrong.data_ptr() and torch.equal(other, expected(4, Kind.KV, n).to(dtype))
-        assert st.stats.chunks_read_in_place - before == 2 * (n // CHUNK_TOKENS)
-        pooled = list(st._read_parts.buffers.free)
-        r.release(2)
-        assert all(b.data_ptr() != rows.data_ptr() for b in st._read_parts.buffers.free)
-        assert len(st._read_parts.buffers.free) == len(pooled)
-        r.close()  # every read is done: returns at once
-
-
-def test_a_closed_reader_skips_what_has_not_started_and_returns_when_reads_end(dirs) -> None:
-    """`close` cuts short the wait of requests held back by a read cap and skips them (their
-    layers fail as abandoned), and returns only once no read is left in flight: then nothing
-    more lands in the caller's rows."""
-    with open_store(dirs) as st:
-        st.create_owner("s", KINDS, "fp")
-        n = chat_turns(st, "s")
-        st.set_read_cap(1e-6)  # 1 KB/s: every request waits far longer than this test runs
-        rows = {(i, Kind.KV): _caller_rows(n, GEOM.kv_dim, torch.float32, 0) for i in (2, 4)}
-        r = st.reader("s", into=rows)
-        r.close()
-        assert r._inflight == 0 and all(s.ready.is_set() for s in r.slots.values())
-        with pytest.raises(ChunkError, match="abandoned"):
-            r.get(2, Kind.KV)
