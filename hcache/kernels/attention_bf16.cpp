@@ -31,8 +31,7 @@ constexpr float NONE = -1e30f;   // a running maximum before any key was seen
 
 // 2**x where x >= FLOOR, else exactly 0 (masked keys are -inf)
 inline __m512 exp2_or_zero(__m512 x) {
-  __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(FLOOR), _CMP_GE_OQ);
-  return _mm512_maskz_mov_ps(keep, hcache::exp2_ps(_mm512_max_ps(x, _mm512_set1_ps(FLOOR))));
+  return hcache::exp2_ps(x, _mm512_cmp_ps_mask(x, _mm512_set1_ps(FLOOR), _CMP_GE_OQ));
 }
 
 inline uint32_t pair(const at::BFloat16* p) {
@@ -109,12 +108,11 @@ void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const a
         if (key < sh.s) prefetch_row(kh + key * sh.ks0, vh + key * sh.vs0, d);
       }
       for (int64_t e = 0; e < dp; ++e) {
-        __m512i qx[RV];
-        for (int i = 0; i < RV; ++i) qx[i] = _mm512_load_si512(&qv[e][16 * i]);
-        for (int a = 0; a < 4; ++a) {
-          const __m512i kb = _mm512_set1_epi32(int32_t(pair(kr[a] + 2 * e)));
-          for (int i = 0; i < RV; ++i)
-            acc[a][i] = _mm512_dpbf16_ps(acc[a][i], (__m512bh)qx[i], (__m512bh)kb);
+        __m512i kb[4];
+        for (int a = 0; a < 4; ++a) kb[a] = _mm512_set1_epi32(int32_t(pair(kr[a] + 2 * e)));
+        for (int i = 0; i < RV; ++i) {
+          const __m512i qx = _mm512_load_si512(&qv[e][16 * i]);
+          for (int a = 0; a < 4; ++a) acc[a][i] = _mm512_dpbf16_ps(acc[a][i], (__m512bh)qx, (__m512bh)kb[a]);
         }
       }
       for (int a = 0; a < 4; ++a) {

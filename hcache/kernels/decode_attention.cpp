@@ -102,7 +102,7 @@ void span(const Shape& sh, const float* q, const KT* kp, const KT* vp, const int
     }
     if (tail) {
       const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + full), mv);
-      const __m512 p = _mm512_maskz_mov_ps(tail, hcache::exp2_ps(x));
+      const __m512 p = hcache::exp2_ps(x, tail);
       _mm512_mask_storeu_ps(s + full, tail, p);
       sum = _mm512_add_ps(sum, p);
     }
