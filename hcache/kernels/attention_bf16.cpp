@@ -61,9 +61,12 @@ template <int RV>
 void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v, int64_t h,
           int64_t r0, int64_t nr, int64_t k0, int64_t k1, float* o, float* m, float* l) {
   constexpr int64_t R = RV * 16;
+  // keys per score step: KQ * RV sums, KQ key pairs and a q vector fit 32 registers with room
+  // (24 + 4 + 1 at 6 vectors left gcc spilling sums)
+  constexpr int KQ = RV >= 6 ? 3 : 4;
   const int64_t d = sh.d, dp = d / 2, dv = d / 16;
   alignas(64) uint32_t qv[64][R];       // q as bfloat16 pairs along D: [D/2][rows]
-  alignas(64) float sc[TILE][R];        // scores, keys-major
+  alignas(64) float sc[TILE + 4][R];    // scores, keys-major; a last step's keys past the tile land in the pad
   alignas(64) uint32_t pp[TILE / 2][R];  // P as bfloat16 pairs along keys: [keys/2][rows]
   alignas(64) uint32_t vp[TILE / 2][128];  // V as bfloat16 pairs along keys: [keys/2][D]
   alignas(64) int32_t tok[R];           // each row's new token: it sees keys up to prefix + tok
@@ -96,26 +99,26 @@ void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const a
   for (int64_t kt = k0; kt < k1; kt += TILE) {
     const int64_t nk = std::min(TILE, k1 - kt);
     const int64_t nk2 = (nk + 1) & ~int64_t(1);
-    // scores of 4 keys at a time: each key's pair broadcast against every row
-    for (int64_t j = 0; j < nk; j += 4) {
-      __m512 acc[4][RV];
-      for (int a = 0; a < 4; ++a)
+    // scores of KQ keys at a time: each key's pair broadcast against every row
+    for (int64_t j = 0; j < nk; j += KQ) {
+      __m512 acc[KQ][RV];
+      for (int a = 0; a < KQ; ++a)
         for (int i = 0; i < RV; ++i) acc[a][i] = _mm512_setzero_ps();
-      const at::BFloat16* kr[4];
-      for (int a = 0; a < 4; ++a) kr[a] = kh + std::min(kt + j + a, k1 - 1) * sh.ks0;
-      for (int a = 0; a < 4; ++a) {  // the next tile's rows, a tile's compute ahead of use
+      const at::BFloat16* kr[KQ];
+      for (int a = 0; a < KQ; ++a) kr[a] = kh + std::min(kt + j + a, k1 - 1) * sh.ks0;
+      for (int a = 0; a < KQ; ++a) {  // the next tile's rows, a tile's compute ahead of use
         const int64_t key = kt + j + a + TILE;
         if (key < sh.s) prefetch_row(kh + key * sh.ks0, vh + key * sh.vs0, d);
       }
       for (int64_t e = 0; e < dp; ++e) {
-        __m512i kb[4];
-        for (int a = 0; a < 4; ++a) kb[a] = _mm512_set1_epi32(int32_t(pair(kr[a] + 2 * e)));
+        __m512i kb[KQ];
+        for (int a = 0; a < KQ; ++a) kb[a] = _mm512_set1_epi32(int32_t(pair(kr[a] + 2 * e)));
         for (int i = 0; i < RV; ++i) {
           const __m512i qx = _mm512_load_si512(&qv[e][16 * i]);
-          for (int a = 0; a < 4; ++a) acc[a][i] = _mm512_dpbf16_ps(acc[a][i], (__m512bh)qx, (__m512bh)kb[a]);
+          for (int a = 0; a < KQ; ++a) acc[a][i] = _mm512_dpbf16_ps(acc[a][i], (__m512bh)qx, (__m512bh)kb[a]);
         }
       }
-      for (int a = 0; a < 4; ++a) {
+      for (int a = 0; a < KQ; ++a) {
         const int64_t key = kt + j + a;
         for (int i = 0; i < RV; ++i) {
           __m512 s = _mm512_mul_ps(acc[a][i], c);
