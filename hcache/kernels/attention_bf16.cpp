@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "steal.h"
 #include "vec_math.h"
 
 namespace {
@@ -260,13 +261,11 @@ at::Tensor causal_attention_bf16(const at::Tensor& q, const at::Tensor& k, const
     merge(sh, nsp, hb / nrb, r0, std::min(per, rows - r0), o, m, l, outp);
   };
   if (blocks >= 4 * at::get_num_threads()) {
-    // enough blocks to share: each thread runs a block's spans in turn, partials in its own scratch
-    at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
+    // enough blocks to share: a block's spans run in turn, partials in scratch of its own
+    hcache::parallel_steal(blocks, [&](int64_t hb) {
       at::Tensor o = at::empty({nsp, ROWS, d}, f32), m = at::empty({nsp, ROWS}, f32), l = at::empty({nsp, ROWS}, f32);
-      for (int64_t hb = b; hb < e; ++hb) {
-        for (int64_t sp = 0; sp < nsp; ++sp) block(hb, sp, o.data_ptr<float>(), m.data_ptr<float>(), l.data_ptr<float>());
-        finish(hb, o.data_ptr<float>(), m.data_ptr<float>(), l.data_ptr<float>());
-      }
+      for (int64_t sp = 0; sp < nsp; ++sp) block(hb, sp, o.data_ptr<float>(), m.data_ptr<float>(), l.data_ptr<float>());
+      finish(hb, o.data_ptr<float>(), m.data_ptr<float>(), l.data_ptr<float>());
     });
     return out;
   }
@@ -274,14 +273,12 @@ at::Tensor causal_attention_bf16(const at::Tensor& q, const at::Tensor& k, const
   at::Tensor o = at::empty({blocks, nsp, ROWS, d}, f32), m = at::empty({blocks, nsp, ROWS}, f32);
   at::Tensor l = at::empty({blocks, nsp, ROWS}, f32);
   float *op = o.data_ptr<float>(), *mp = m.data_ptr<float>(), *lp = l.data_ptr<float>();
-  at::parallel_for(0, blocks * nsp, 1, [&](int64_t b, int64_t e) {
-    for (int64_t it = b; it < e; ++it) {
-      const int64_t hb = it / nsp;
-      block(hb, it % nsp, op + hb * nsp * ROWS * d, mp + hb * nsp * ROWS, lp + hb * nsp * ROWS);
-    }
+  hcache::parallel_steal(blocks * nsp, [&](int64_t it) {
+    const int64_t hb = it / nsp;
+    block(hb, it % nsp, op + hb * nsp * ROWS * d, mp + hb * nsp * ROWS, lp + hb * nsp * ROWS);
   });
-  at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
-    for (int64_t hb = b; hb < e; ++hb) finish(hb, op + hb * nsp * ROWS * d, mp + hb * nsp * ROWS, lp + hb * nsp * ROWS);
+  hcache::parallel_steal(blocks, [&](int64_t hb) {
+    finish(hb, op + hb * nsp * ROWS * d, mp + hb * nsp * ROWS, lp + hb * nsp * ROWS);
   });
   return out;
 }

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "act_quant.h"
+#include "steal.h"
 
 namespace {
 
@@ -182,16 +183,23 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   constexpr int P_MAX = MR_MAX / 2;
   // a few rows are bound by reading the weights, which one tile at a time reads in order
   // (two interleaved tiles' streams read slower); more rows reuse each load for NR_MAX tiles
+  auto group = [&](auto nr, int64_t t) {
+    constexpr int R = decltype(nr)::value;
+    const int nt = int(std::min<int64_t>(R, tiles - t * R));
+    for (int64_t r = 0; r < m; r += P_MAX)
+      hcache::with_rows<P_MAX>(int(std::min<int64_t>(P_MAX, m - r)),
+                               [&](auto p) { micro<decltype(p)::value, R>(o, r, t * R, nt); });
+  };
+  // a tile at a time is too little work to claim one by one: few rows keep a fixed split
   auto run = [&](auto nr) {
     constexpr int R = decltype(nr)::value;
-    at::parallel_for(0, (tiles + R - 1) / R, 1, [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) {
-        const int nt = int(std::min<int64_t>(R, tiles - t * R));
-        for (int64_t r = 0; r < m; r += P_MAX)
-          hcache::with_rows<P_MAX>(int(std::min<int64_t>(P_MAX, m - r)),
-                                   [&](auto p) { micro<decltype(p)::value, R>(o, r, t * R, nt); });
-      }
-    });
+    const int64_t groups = (tiles + R - 1) / R;
+    if (m <= FEW)
+      at::parallel_for(0, groups, 1, [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t) group(nr, t);
+      });
+    else
+      hcache::parallel_steal(groups, [&](int64_t t) { group(nr, t); });
   };
   if (m <= FEW)
     run(std::integral_constant<int, 1>{});

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "act_quant.h"
+#include "steal.h"
 
 namespace {
 
@@ -111,17 +112,16 @@ void micro(const uint8_t* a, int64_t k, const int8_t* w, int64_t t0, int nt, int
 }
 
 // `f(rows, r, t0, nt)` over every block of `rows` (<= RMAX) activation rows from r and group
-// of nt (<= NR) tiles from t0: threads take groups of tiles; for many rows (a prefill) a block
-// of `block` rows stays in L2 while a thread's tiles stream past
+// of nt (<= NR) tiles from t0. The work items are (block of `block` rows, group of tiles), by
+// row block: for many rows (a prefill) a block stays in L2 while a thread's tiles stream past
 template <int RMAX, typename F>
 void over_tiles(int64_t m, int64_t tiles, int64_t block, F&& f) {
-  at::parallel_for(0, (tiles + NR - 1) / NR, 1, [&](int64_t b, int64_t e) {
-    for (int64_t r0 = 0; r0 < m; r0 += block)
-      for (int64_t g = b; g < e; ++g) {
-        const int nt = int(std::min<int64_t>(NR, tiles - g * NR));
-        for (int64_t r = r0; r < std::min(m, r0 + block); r += RMAX)
-          hcache::with_rows<RMAX>(int(std::min<int64_t>(RMAX, m - r)), [&](auto rows) { f(rows, r, g * NR, nt); });
-      }
+  const int64_t groups = (tiles + NR - 1) / NR, blocks = (m + block - 1) / block;
+  hcache::parallel_steal(blocks * groups, [&](int64_t item) {
+    const int64_t r0 = item / groups * block, g = item % groups;
+    const int nt = int(std::min<int64_t>(NR, tiles - g * NR));
+    for (int64_t r = r0; r < std::min(m, r0 + block); r += RMAX)
+      hcache::with_rows<RMAX>(int(std::min<int64_t>(RMAX, m - r)), [&](auto rows) { f(rows, r, g * NR, nt); });
   });
 }
 

@@ -69,6 +69,10 @@ def test_a_row_has_the_same_bits_alone_in_any_batch_and_on_any_threads():
     try:
         torch.set_num_threads(1)
         assert torch.equal(op(x, tiles, sz), whole)
+        # more threads than cores: a preempted thread's tile groups are taken by the others
+        torch.set_num_threads(8)
+        for _ in range(10):
+            assert torch.equal(op(x, tiles, sz), whole)
     finally:
         torch.set_num_threads(threads)
 

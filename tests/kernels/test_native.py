@@ -82,10 +82,10 @@ def test_the_threads_change_no_bit():
         torch.set_num_threads(2)
         few = op(q, k, v, 0.125)
         torch.set_num_threads(8)
-        many = op(q, k, v, 0.125)
+        many = [op(q, k, v, 0.125) for _ in range(5)]  # more threads than cores: spans change hands
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(few, many)
+    assert all(torch.equal(few, m) for m in many)
 
 
 def test_a_row_never_sees_a_later_key():
