@@ -89,7 +89,7 @@ def test_dashboard_in_chromium(live):
     chromium = shutil.which("chromium")
     if chromium is None:
         pytest.fail("Debian's chromium is not installed (make test installs it)")
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
     errors: list[str] = []
     with sync_playwright() as p:
@@ -112,7 +112,9 @@ def test_dashboard_in_chromium(live):
         assert int(tile.inner_text()) > before
         page.locator(f"#sessions td code:text('{sid}')").wait_for(timeout=10000)
         row = page.locator("#sessions tr", has=page.locator(f"code:text('{sid}')"))
-        assert "RE " in row.inner_text() and "/ KV" in row.inner_text()
+        # the row may first show the session as its first turn left it: wait for the restore's
+        expect(row).to_contain_text("RE ", timeout=10000)
+        expect(row).to_contain_text("/ KV")
         assert page.locator("#storage tbody tr").count() == 2
         assert " / " in page.locator('.tile[data-key="store"] b').inner_text()  # occupied / capacity
         assert "demotions" in page.locator('.tile[data-key="released"] b').inner_text()
