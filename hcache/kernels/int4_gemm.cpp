@@ -181,8 +181,6 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
                    wc.data_ptr<uint8_t>(), reinterpret_cast<const uint32_t*>(szc.data_ptr<at::BFloat16>()),
                    y.data_ptr<float>(), m, k, n, tiles};
   constexpr int P_MAX = MR_MAX / 2;
-  // a few rows are bound by reading the weights, which one tile at a time reads in order
-  // (two interleaved tiles' streams read slower); more rows reuse each load for NR_MAX tiles
   auto group = [&](auto nr, int64_t t) {
     constexpr int R = decltype(nr)::value;
     const int nt = int(std::min<int64_t>(R, tiles - t * R));
@@ -201,6 +199,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     else
       hcache::parallel_steal(groups, [&](int64_t t) { group(nr, t); });
   };
+  // a few rows are bound by reading the weights, which one tile at a time reads in order
+  // (two interleaved tiles' streams read slower); more rows reuse each load for NR_MAX tiles
   if (m <= FEW)
     run(std::integral_constant<int, 1>{});
   else

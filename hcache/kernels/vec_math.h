@@ -6,7 +6,8 @@
 namespace hcache {
 
 // 2**x = 2**n * 2**f, n = round(x), |f| <= 1/2 (Cephes' exp2f polynomial); scalef
-// takes any n, so a very negative x gives 0
+// takes any n, so a very negative x gives 0. Lanes outside `keep` are 0 whatever x holds
+// there (-inf or NaN included)
 inline __m512 exp2_ps(__m512 x, __mmask16 keep = 0xFFFF) {
   __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 f = _mm512_sub_ps(x, n);
