@@ -188,23 +188,17 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       hcache::with_rows<P_MAX>(int(std::min<int64_t>(P_MAX, m - r)),
                                [&](auto p) { micro<decltype(p)::value, R>(o, r, t * R, nt); });
   };
-  // a tile at a time is too little work to claim one by one: few rows keep a fixed split
-  auto run = [&](auto nr) {
-    constexpr int R = decltype(nr)::value;
-    const int64_t groups = (tiles + R - 1) / R;
-    if (m <= FEW)
-      at::parallel_for(0, groups, 1, [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t) group(nr, t);
-      });
-    else
-      hcache::parallel_steal(groups, [&](int64_t t) { group(nr, t); });
-  };
   // a few rows are bound by reading the weights, which one tile at a time reads in order
-  // (two interleaved tiles' streams read slower); more rows reuse each load for NR_MAX tiles
+  // (two interleaved tiles' streams read slower), in a fixed split: a tile is too little work
+  // to claim on its own. More rows reuse each load for NR_MAX tiles, and threads take groups
+  // of them as they come free
   if (m <= FEW)
-    run(std::integral_constant<int, 1>{});
+    at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) group(std::integral_constant<int, 1>{}, t);
+    });
   else
-    run(std::integral_constant<int, NR_MAX>{});
+    hcache::parallel_steal((tiles + NR_MAX - 1) / NR_MAX,
+                           [&](int64_t t) { group(std::integral_constant<int, NR_MAX>{}, t); });
   return y;
 }
 
