@@ -145,8 +145,13 @@ def _compiled_steps(model: DecoderModel) -> tuple[Callable, Callable]:
     model can reach its graphs and their guards need not check the model's insides."""
     if model not in _STEPS:
         # a lone sequence's step: its kernels called from C++, not Python (a larger share of
-        # a small step; it doubles the graph's compile time)
-        opts: dict = {"cpp_wrapper": model.device.type == "cpu", "guard_filter_fn": _not_inside_model}
+        # a small step). Built apart from its kernels, the wrapper compiles at the wrapper's
+        # optimisation level and the kernels in parallel: one file of both took gcc minutes
+        opts: dict = {
+            "cpp_wrapper": model.device.type == "cpu",
+            "cpp_wrapper_build_separate": True,
+            "guard_filter_fn": _not_inside_model,
+        }
         c = model.cfg
         geometry = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, model.dtype, model.weights)
         one = torch.compile(own_code(_step_one, *geometry), dynamic=True, fullgraph=True, options=opts)
