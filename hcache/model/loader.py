@@ -7,6 +7,7 @@ Llama Q/K rows permuted for its interleaved RoPE; we undo that so the same
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import re
@@ -313,9 +314,27 @@ def gguf_config(f: dict[str, Any], arch: str, has_output: bool) -> ModelConfig:
 
 
 def _gguf_reader(path: Path) -> GGUFReader:
+    return _reader_class()(str(path))
+
+
+@functools.cache
+def _reader_class() -> type[GGUFReader]:
     from gguf import GGUFReader
 
-    return GGUFReader(str(path))
+    class Reader(GGUFReader):
+        """`gguf`'s reader, its reads sliced from a plain array over the file's mapping: each
+        slice of its `np.memmap` is a memmap object of its own, so opening a file with a
+        vocabulary of 50-150k strings spent seconds making them."""
+
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
+            count = int(count)
+            arr = plain[offset : offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    return Reader
 
 
 def dequantized(t: ReaderTensor) -> np.ndarray:

@@ -61,3 +61,23 @@ def test_bench_default_geometry_is_the_ggufs(default_model) -> None:
     from hcache.model.loader import DEFAULT_GEOMETRY
 
     assert replace(default_model.model.cfg, norm_eps=1e-5) == DEFAULT_GEOMETRY
+
+
+def test_the_gguf_reader_reads_what_the_librarys_reads() -> None:
+    """`_gguf_reader` slices a plain array where `gguf`'s reader slices its memmap: every
+    field's parts and every tensor's data must still be the library's."""
+    from gguf import GGUFReader
+
+    from hcache.model.loader import _gguf_reader, default_model_path
+
+    path = default_model_path()
+    ours, theirs = _gguf_reader(path), GGUFReader(str(path))
+    assert ours.fields.keys() == theirs.fields.keys()
+    for name, a in ours.fields.items():
+        b = theirs.fields[name]
+        assert (a.types, a.data, a.offset) == (b.types, b.data, b.offset), name
+        assert len(a.parts) == len(b.parts) and all(np.array_equal(p, q) for p, q in zip(a.parts, b.parts, strict=True))
+    assert [(t.name, t.tensor_type, t.data_offset) for t in ours.tensors] == [
+        (t.name, t.tensor_type, t.data_offset) for t in theirs.tensors
+    ]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors, strict=True))
