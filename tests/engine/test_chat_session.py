@@ -3,6 +3,7 @@ stayed resident or was dropped after every turn and restored by any path."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hcache import demo
@@ -18,9 +19,12 @@ def test_three_turn_chat_identical_across_restore_paths(default_model) -> None:
     chat_identical_across_restore_paths(default_model)
 
 
+@pytest.mark.slow
 def test_a_real_0_5b_chat_is_identical_across_restore_paths(qwen) -> None:
     """Qwen2.5-0.5B: another architecture's details (q/k/v biases, 7 query heads per KV
-    head, a 151K vocabulary, ChatML) restored by every path."""
+    head, a 151K vocabulary, ChatML) restored by every path, on its float oracle. `make
+    test` runs the same chats on the served weights (below) and the tiny Qwen2 model's
+    restores on float weights; this one adds minutes on 2 cores."""
     assert qwen.model.cfg.qkv_bias and qwen.model.cfg.num_layers == 24
     chat_identical_across_restore_paths(qwen)
 
