@@ -200,9 +200,10 @@ def _last_stats(engine: Engine, seq: Sequence) -> TurnStats:
 def _hcache_decode(engine: Engine, doc: list[int], batches: list[int], prompt: int, steps: int) -> dict[str, float]:
     """Per batch size b: b sessions prefill their prompts first (a turn of one token each,
     as llama.cpp's rows prefill before they time), then all take a turn of one new token and
-    `steps` more, and the gaps between tokens are timed: the middle half of each sequence's
-    gaps, when all b decode together (their one-token prefills stagger the first steps, and
-    the first to finish leave the batch smaller at the end)."""
+    `steps` more, and the gaps between tokens are timed while all b decode together: after
+    the last sequence's first token (their one-token prefills share the first steps) and
+    before the first one's last (the batch then shrinks). At batch 1, the middle half of
+    the gaps."""
     out = {}
     first = SamplingParams(max_new_tokens=1, ignore_eos=True)
     params = SamplingParams(max_new_tokens=steps, ignore_eos=True)
@@ -212,18 +213,41 @@ def _hcache_decode(engine: Engine, doc: list[int], batches: list[int], prompt: i
         pairs = list(zip(sessions, prompts, strict=True))
         for q in [engine.generate(s.id, token_ids=p[:prompt], params=first) for s, p in pairs]:
             _last_stats(engine, q)
-        seqs = [engine.generate(s.id, token_ids=p[prompt:], params=params) for s, p in pairs]
+        submitted, seqs = [], []
+        for s, p in pairs:
+            submitted.append(time.perf_counter() * 1e3)
+            seqs.append(engine.generate(s.id, token_ids=p[prompt:], params=params))
         engine.runner.step_ms.clear()
         stats = [_last_stats(engine, q) for q in seqs]
         if b == 1 and engine.runner.graph is not None:  # Python around the compiled graph
             steps_ms = list(engine.runner.step_ms)[len(engine.runner.step_ms) // 2 :]
             out["host_ms_b1"] = statistics.median(step - graph for step, graph in steps_ms)
-        gaps = [g for st in stats for g in st.tbt_ms[len(st.tbt_ms) // 4 : 3 * len(st.tbt_ms) // 4]]
+        if b == 1:
+            gaps = stats[0].tbt_ms[len(stats[0].tbt_ms) // 4 : 3 * len(stats[0].tbt_ms) // 4]
+        else:
+            gaps = _together(submitted, stats)
         med = statistics.median(gaps)
         out["tbt_b1_ms" if b == 1 else f"tokens_per_s_b{b}"] = med if b == 1 else b / (med / 1e3)
         for s in sessions:
             engine.delete(s.id)
     return out
+
+
+def _together(submitted_ms: list[float], stats: list[TurnStats]) -> list[float]:
+    """The gaps that ended while every sequence decoded: each token's time is its turn's
+    submission plus its TTFT and the gaps before it."""
+    ends = [
+        [t + st.ttft_ms + sum(st.tbt_ms[: i + 1]) for i in range(len(st.tbt_ms))]
+        for t, st in zip(submitted_ms, stats, strict=True)
+    ]
+    joined = max(t + st.ttft_ms for t, st in zip(submitted_ms, stats, strict=True))
+    left = min(e[-1] for e in ends)
+    gaps = [
+        g for st, e in zip(stats, ends, strict=True) for g, end in zip(st.tbt_ms, e, strict=True) if joined < end < left
+    ]
+    if len(gaps) < 4 * len(stats):
+        raise SystemExit(f"fewer than 4 steps of the whole batch of {len(stats)}: raise --decode-steps")
+    return gaps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--decode-prompt", type=int, default=128)
-    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--decode-steps", type=int, default=96)
     ap.add_argument("--transformers-max", type=int, default=8192, help="skip transformers above this context")
     ap.add_argument("--skip", nargs="*", default=[], choices=["llama.cpp", "transformers", "hcache"])
     ap.add_argument("--merge", action="store_true", help="keep the skipped systems' rows from --out")
