@@ -1,4 +1,10 @@
-// A turn's attention over a long bfloat16 cache with AVX512-BF16 dot products.
+// A turn's attention over a long bfloat16 cache with AVX512-BF16 dot products, or, built
+// without AVX512-BF16 (`__AVX512BF16__` undefined), the same arithmetic in AVX-512F: each
+// pair's two exact products added by two FMAs, the odd element first as `vdpbf16ps` adds
+// them, and P rounded to bfloat16 to nearest even as `vcvtne2ps2bf16` rounds it (the
+// instruction reads subnormal inputs as 0 and flushes subnormal sums to 0; this form does
+// neither). On a CPU without AVX512-BF16 this form beats torch's float32 flash kernel over
+// widened K/V: it reads K/V once per query-head group and widens them in registers.
 //
 // The last T of S positions attend causally; a KV head's G query heads are its G*T query
 // rows, so K/V are read once per group, as they lie in the cache (no copies, no mask
@@ -35,6 +41,26 @@ inline __m512 exp2_or_zero(__m512 x) {
   return hcache::exp2_ps(x, _mm512_cmp_ps_mask(x, _mm512_set1_ps(FLOOR), _CMP_GE_OQ));
 }
 
+#ifdef __AVX512BF16__
+constexpr bool DPBF16 = true;
+#else
+constexpr bool DPBF16 = false;
+#endif
+
+// A bfloat16 pair's elements as float32 lanes: the odd (high) one and the even (low) one
+inline __m512 odd_of(__m512i pairs) {
+  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+}
+inline __m512 even_of(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+
+// float32 rounded to the nearest bfloat16, ties to even, kept as float32 (P is finite, >= 0)
+inline __m512 round_bf16(__m512 x) {
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+}
+
 inline uint32_t pair(const at::BFloat16* p) {
   uint32_t v;
   std::memcpy(&v, p, 4);
@@ -64,12 +90,19 @@ void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const a
   constexpr int64_t R = RV * 16;
   // keys per score step: KQ * RV sums, KQ key pairs and a q vector fit 32 registers with room
   // (24 + 4 + 1 at 6 vectors left gcc spilling sums)
-  constexpr int KQ = RV >= 6 ? 3 : 4;
+  // (without AVX512-BF16 a key is two vectors, odd and even elements: 3 keys from 5 vectors)
+  constexpr int KQ = RV >= 6 || (!DPBF16 && RV >= 5) ? 3 : 4;
   const int64_t d = sh.d, dp = d / 2, dv = d / 16;
-  alignas(64) uint32_t qv[64][R];       // q as bfloat16 pairs along D: [D/2][rows]
   alignas(64) float sc[TILE + 4][R];    // scores, keys-major; a last step's keys past the tile land in the pad
+#ifdef __AVX512BF16__
+  alignas(64) uint32_t qv[64][R];       // q as bfloat16 pairs along D: [D/2][rows]
   alignas(64) uint32_t pp[TILE / 2][R];  // P as bfloat16 pairs along keys: [keys/2][rows]
   alignas(64) uint32_t vp[TILE / 2][128];  // V as bfloat16 pairs along keys: [keys/2][D]
+#else
+  alignas(64) float qo[64][R], qe[64][R];  // q's odd and even elements along D: [D/2][rows]
+  alignas(64) float pf[TILE][R];         // P rounded to bfloat16: [keys][rows]
+  alignas(64) float vf[TILE][128];       // V widened: [keys][D]
+#endif
   alignas(64) int32_t tok[R];           // each row's new token: it sees keys up to prefix + tok
   for (int64_t r = 0; r < R; ++r) {
     const bool real = r < nr;
@@ -77,7 +110,16 @@ void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const a
     const int64_t t = row % sh.t, head = h * sh.g + row / sh.t;
     tok[r] = real ? int32_t(t) : int32_t(sh.t);
     const at::BFloat16* qr = q + t * sh.qs0 + head * sh.qs1;
-    for (int64_t j = 0; j < dp; ++j) qv[j][r] = real ? pair(qr + 2 * j) : 0u;
+    for (int64_t j = 0; j < dp; ++j) {
+      const uint32_t x = real ? pair(qr + 2 * j) : 0u;
+#ifdef __AVX512BF16__
+      qv[j][r] = x;
+#else
+      const uint32_t odd = x & 0xFFFF0000u, even = x << 16;
+      std::memcpy(&qo[j][r], &odd, 4);
+      std::memcpy(&qe[j][r], &even, 4);
+#endif
+    }
   }
   for (int64_t r = 0; r < R; ++r) m[r] = NONE, l[r] = 0.f;
   int32_t last = 0;  // keys past prefix + the rows' latest token are masked for all of them
@@ -87,6 +129,7 @@ void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const a
   std::memset(o, 0, sizeof(float) * R * d);
   const __m512 c = _mm512_set1_ps(sh.c);
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
+#ifdef __AVX512BF16__
   // (0, 16, 1, 17, ...): two vectors of 16 bfloat16 interleaved into 16 pairs
   const __m512i zip = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
                                        5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -94,6 +137,7 @@ void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const a
   const __m512i vzip = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
                                         5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i vzip_hi = _mm512_add_epi16(vzip, _mm512_set1_epi16(16));
+#endif
   const at::BFloat16* kh = k + h * sh.ks1;
   const at::BFloat16* vh = v + h * sh.vs1;
 
@@ -112,12 +156,24 @@ void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const a
         if (key < sh.s) prefetch_row(kh + key * sh.ks0, vh + key * sh.vs0, d);
       }
       for (int64_t e = 0; e < dp; ++e) {
+#ifdef __AVX512BF16__
         __m512i kb[KQ];
         for (int a = 0; a < KQ; ++a) kb[a] = _mm512_set1_epi32(int32_t(pair(kr[a] + 2 * e)));
         for (int i = 0; i < RV; ++i) {
           const __m512i qx = _mm512_load_si512(&qv[e][16 * i]);
           for (int a = 0; a < KQ; ++a) acc[a][i] = _mm512_dpbf16_ps(acc[a][i], (__m512bh)qx, (__m512bh)kb[a]);
         }
+#else
+        __m512 ko[KQ], ke[KQ];
+        for (int a = 0; a < KQ; ++a) {
+          const __m512i kb = _mm512_set1_epi32(int32_t(pair(kr[a] + 2 * e)));
+          ko[a] = odd_of(kb), ke[a] = even_of(kb);
+        }
+        for (int i = 0; i < RV; ++i) {
+          const __m512 qox = _mm512_load_ps(&qo[e][16 * i]), qex = _mm512_load_ps(&qe[e][16 * i]);
+          for (int a = 0; a < KQ; ++a) acc[a][i] = _mm512_fmadd_ps(qex, ke[a], _mm512_fmadd_ps(qox, ko[a], acc[a][i]));
+        }
+#endif
       }
       for (int a = 0; a < KQ; ++a) {
         const int64_t key = kt + j + a;
@@ -150,15 +206,21 @@ void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const a
         __m512 p1 = j + 1 < nk ? exp2_or_zero(_mm512_sub_ps(_mm512_load_ps(&sc[j + 1][16 * i]), mx[i]))
                                : _mm512_setzero_ps();
         sum[i] = _mm512_add_ps(sum[i], _mm512_add_ps(p0, p1));
+#ifdef __AVX512BF16__
         // bfloat16 rows [p0 | p1], then interleaved into (p0[r], p1[r]) pairs
         __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
         _mm512_store_si512(&pp[j / 2][16 * i], _mm512_permutexvar_epi16(zip, both));
+#else
+        _mm512_store_ps(&pf[j][16 * i], round_bf16(p0));
+        _mm512_store_ps(&pf[j + 1][16 * i], round_bf16(p1));
+#endif
       }
     }
     for (int i = 0; i < RV; ++i) {
       __m512 lv = _mm512_fmadd_ps(_mm512_load_ps(&l[16 * i]), alpha[i], sum[i]);
       _mm512_store_ps(&l[16 * i], lv);
     }
+#ifdef __AVX512BF16__
     // V as pairs of consecutive keys along D
     for (int64_t j = 0; j < nk2; j += 2) {
       const at::BFloat16* a = vh + std::min(kt + j, k1 - 1) * sh.vs0;
@@ -170,6 +232,15 @@ void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const a
         if (e + 16 < d) _mm512_store_si512(&vp[j / 2][e + 16], _mm512_permutex2var_epi16(x, vzip_hi, y));
       }
     }
+#else
+    for (int64_t j = 0; j < nk2; ++j) {  // a pad key (odd nk) repeats the last: its P is 0
+      const at::BFloat16* a = vh + std::min(kt + j, k1 - 1) * sh.vs0;
+      for (int64_t e = 0; e < d; e += 16) {
+        const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + e)));
+        _mm512_store_ps(&vf[j][e], _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
+      }
+    }
+#endif
     // o = o * alpha + P V, 4 rows x D at a time
     alignas(64) float al[R];
     for (int i = 0; i < RV; ++i) _mm512_store_ps(&al[16 * i], alpha[i]);
@@ -182,12 +253,23 @@ void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const a
             acc[a][b] = b < ne ? _mm512_mul_ps(_mm512_load_ps(o + (r + a) * d + 16 * (e + b)), _mm512_set1_ps(al[r + a]))
                                : _mm512_setzero_ps();
         for (int64_t j = 0; j < nk2 / 2; ++j) {
+#ifdef __AVX512BF16__
           __m512i vx[4];
           for (int b = 0; b < 4; ++b) vx[b] = b < ne ? _mm512_load_si512(&vp[j][16 * (e + b)]) : _mm512_setzero_si512();
           for (int a = 0; a < 4; ++a) {
             const __m512i pb = _mm512_set1_epi32(int32_t(pp[j][r + a]));
             for (int b = 0; b < 4; ++b) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], (__m512bh)pb, (__m512bh)vx[b]);
           }
+#else
+          for (int64_t key = 2 * j + 1; key >= 2 * j; --key) {  // the pair's odd key first
+            __m512 vx[4];
+            for (int b = 0; b < 4; ++b) vx[b] = b < ne ? _mm512_load_ps(&vf[key][16 * (e + b)]) : _mm512_setzero_ps();
+            for (int a = 0; a < 4; ++a) {
+              const __m512 pb = _mm512_set1_ps(pf[key][r + a]);
+              for (int b = 0; b < 4; ++b) acc[a][b] = _mm512_fmadd_ps(pb, vx[b], acc[a][b]);
+            }
+          }
+#endif
         }
         for (int a = 0; a < 4; ++a)
           for (int b = 0; b < ne; ++b) _mm512_store_ps(o + (r + a) * d + 16 * (e + b), acc[a][b]);
@@ -285,16 +367,25 @@ at::Tensor causal_attention_bf16(const at::Tensor& q, const at::Tensor& k, const
 
 }  // namespace
 
-TORCH_LIBRARY(hcache_kernels, lib) {
+// each form registers a library of its own, so that one process can load both (a test compares them)
+#ifdef __AVX512BF16__
+#define HCACHE_NS hcache_kernels
+#else
+#define HCACHE_NS hcache_kernels_avx512
+#endif
+#define LIBRARY(ns, lib) TORCH_LIBRARY(ns, lib)
+#define LIBRARY_IMPL(ns, key, lib) TORCH_LIBRARY_IMPL(ns, key, lib)
+
+LIBRARY(HCACHE_NS, lib) {
   lib.def("causal_attention_bf16(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(hcache_kernels, CPU, lib) {
+LIBRARY_IMPL(HCACHE_NS, CPU, lib) {
   lib.impl("causal_attention_bf16", &causal_attention_bf16);
 }
 
 // shapes only, for tracing
-TORCH_LIBRARY_IMPL(hcache_kernels, Meta, lib) {
+LIBRARY_IMPL(HCACHE_NS, Meta, lib) {
   lib.impl("causal_attention_bf16", [](const at::Tensor& q, const at::Tensor&, const at::Tensor&, double) {
     return at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   });

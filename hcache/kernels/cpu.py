@@ -78,15 +78,20 @@ class Cpu:
 
     @property
     def attention(self) -> str:
-        """How a turn attends over a bfloat16 cache: `native` (our AVX512-BF16 kernel),
-        `flash` (torch's bfloat16 flash kernel: AMX tiles), or `float32` (K/V widened and
-        the float32 kernels: without bfloat16 hardware torch's bfloat16 GEMMs run a
-        reference loop)."""
+        """How a turn attends over a bfloat16 cache: `native` (our kernel: its AVX512-BF16
+        form, or its AVX-512F one on AVX-512 without BF16), `flash` (torch's bfloat16 flash
+        kernel: AMX tiles), or `float32` (K/V widened and the float32 kernels: without
+        bfloat16 hardware torch's bfloat16 GEMMs run a reference loop)."""
         if self.amx:
             return "flash"
-        if self.bf16:
+        if self.bf16 or (self.avx512 and COMPILE):
             return "native"
         return "float32"
+
+    def _attention_form(self) -> str:
+        if self.attention != "native":
+            return self.attention
+        return "native-bf16" if self.bf16 else "native-avx512f"
 
     def describe(self) -> str:
         return f"CPU kind {self.kind}: " + ", ".join(f"{k} {v}" for k, v in self.paths().items() if k != "cpu")
@@ -101,7 +106,7 @@ class Cpu:
             "int4_linear": "native-vnni" if COMPILE and self.vnni else f"int4pack-{self.aten.lower()}",
             "int8_linear": int8,
             "lm_head": int8,
-            "attention": self.attention,
+            "attention": self._attention_form(),
             "decode_attention": "native-avx512" if COMPILE and self.avx512 else "inductor-float32",
         }
 

@@ -5,6 +5,8 @@ ninja; cached under `TORCH_EXTENSIONS_DIR`, rebuilt when the source changes).
 products (`attention_bf16.cpp`). No library kernel reaches that rate on a CPU without
 AMX: torch's flash kernel multiplies through MKL's bfloat16 GEMM, inductor's templates
 widen to float32, oneDNN's fused graph rounds the scores to bfloat16 (bench/RESULTS.md).
+On AVX-512 without BF16 the same source builds the same arithmetic from AVX-512F FMAs,
+which beats torch's float32 flash kernel over widened K/V there.
 `int8_gemm`: few rows of uint8 activations times int8 weight rows with AVX512-VNNI
 (`int8_gemm.cpp`): oneDNN's u8s8 GEMM streams a decode step's weights at about half the
 machine's read rate.
@@ -44,8 +46,9 @@ DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)
 class _Kernel:
     """One source file's ops, built on the first `get` (or by `build_all`), once."""
 
-    def __init__(self, name: str, isa: str, op: str, runs_here: Callable[[], bool]):
+    def __init__(self, name: str, isa: str, op: str, runs_here: Callable[[], bool], source: str | None = None):
         self.name, self.isa, self.op, self.runs_here = name, isa, op, runs_here
+        self.source = source or name
         self._lock = threading.Lock()
         self._done = False
         self._op: Callable[..., torch.Tensor] | None = None
@@ -54,16 +57,26 @@ class _Kernel:
         if not self._done:  # every layer of every forward asks: the lock only until built
             with self._lock:
                 if not self._done:
-                    self._op = _build(self.name, self.isa, self.op) if COMPILE and self.runs_here() else None
+                    ok = COMPILE and self.runs_here()
+                    self._op = _build(self.name, self.source, self.isa, self.op) if ok else None
                     self._done = True
         return self._op
 
 
 _ATTENTION = _Kernel("attention_bf16", "-mavx512bf16", "hcache_kernels.causal_attention_bf16", lambda: cpu().bf16)
+# the same source without AVX512-BF16: its arithmetic from AVX-512F FMAs
+_ATTENTION_F = _Kernel(
+    "attention_avx512",
+    "-mavx512dq",
+    "hcache_kernels_avx512.causal_attention_bf16",
+    lambda: cpu().avx512,
+    source="attention_bf16",
+)
 _INT8 = _Kernel("int8_gemm", "-mavx512vnni", "hcache_int8.int8_mm", lambda: cpu().vnni)
 _INT4 = _Kernel("int4_gemm", "-mavx512vnni", "hcache_int4.int4_linear", lambda: cpu().vnni)
 _DECODE = _Kernel("decode_attention", "-mavx512dq", "hcache_decode.decode_attention", lambda: cpu().avx512)
-KERNELS = (_INT8, _INT4, _ATTENTION, _DECODE)
+# what this CPU serves with: one form of the attention kernel
+KERNELS = (_INT8, _INT4, _ATTENTION if cpu().bf16 else _ATTENTION_F, _DECODE)
 
 
 def build_all() -> list[threading.Thread]:
@@ -81,8 +94,14 @@ def build_all() -> list[threading.Thread]:
 
 def attention_bf16() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None:
     """`op(q [T, H, D], k [S, KvH, D], v, scale) -> [T, H*D]`, all bfloat16 on the CPU, head
-    dims contiguous and a multiple of 16 up to 128; the last T positions attend causally."""
-    return _ATTENTION.get()
+    dims contiguous and a multiple of 16 up to 128; the last T positions attend causally.
+    With AVX512-BF16 its dot-product form, else its AVX-512F form (`attention_avx512f`)."""
+    return _ATTENTION.get() if cpu().bf16 else _ATTENTION_F.get()
+
+
+def attention_avx512f() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None:
+    """`attention_bf16`'s AVX-512F form on any CPU with AVX-512, for comparing the two forms."""
+    return _ATTENTION_F.get()
 
 
 def decode_attention() -> Callable[..., torch.Tensor] | None:
@@ -118,7 +137,7 @@ def int8_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.hcache_int8.pack(w)
 
 
-def _build(name: str, isa: str, op: str) -> Callable[..., torch.Tensor] | None:
+def _build(name: str, source_name: str, isa: str, op: str) -> Callable[..., torch.Tensor] | None:
     from torch.utils.cpp_extension import load
 
     try:
@@ -126,7 +145,7 @@ def _build(name: str, isa: str, op: str) -> Callable[..., torch.Tensor] | None:
             import ninja
 
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-        source = Path(__file__).with_name(f"{name}.cpp")
+        source = Path(__file__).with_name(f"{source_name}.cpp")
         # torch rebuilds when a source or a flag changes, and it hashes no header: ours go in a flag
         headers = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h"))))
         flags = [*_FLAGS, isa, f"-DHCACHE_HEADERS={headers.hexdigest()[:16]}"]

@@ -254,11 +254,13 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _linear = torch.ops.mkldnn._linear_pointwise  # oneDNN's matmul with float32 out, as inductor calls it
 
 # The CPU's attention path (`Cpu.attention`): with AMX torch's flash kernel keeps the tiles;
-# AVX512-BF16 takes our kernel, or past `MATMUL_MIN_KEYS` oneDNN's matmuls (MKL's bfloat16
-# GEMM, flash's, runs far below them on AMD); without bfloat16 hardware both bfloat16 GEMMs
-# run reference loops, and K/V are widened to float32 for the float32 kernels.
+# AVX-512 takes our kernel, or where it did not build, with AVX512-BF16 past `MATMUL_MIN_KEYS`
+# oneDNN's matmuls (MKL's bfloat16 GEMM, flash's, runs far below them on AMD); without
+# bfloat16 hardware both bfloat16 GEMMs run reference loops, and K/V are widened to float32
+# for the float32 kernels.
 _PATH = cpu().attention
-_MATMULS = torch.backends.mkldnn.is_available() and _PATH == "native"
+_BF16_GEMMS = cpu().bf16
+_MATMULS = torch.backends.mkldnn.is_available() and _PATH == "native" and _BF16_GEMMS
 ROW_BLOCK = 128  # grouped query rows per score block: 128 x 8K float32 scores stay in cache
 MATMUL_MIN_KEYS = 1536  # below about this many prefix keys flash's single call is the quicker
 _scratch = threading.local()  # per thread: the float32 copies of a layer's K and V, a causal mask
@@ -306,15 +308,16 @@ def _causal_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, 
     position. Otherwise, without a T x S mask: the new block attends to the prefix unmasked
     (query heads grouped over their KV head) and to itself causally; the two partial
     results are merged by their log-sum-exp. A bfloat16 cache takes the CPU's path
-    (`_PATH`): our AVX512-BF16 kernel (`kernels/native.py`; where it did not build,
-    `_matmul_attention` past `MATMUL_MIN_KEYS`), torch's flash kernel, or float32 copies."""
+    (`_PATH`): our kernel (`kernels/native.py`; where it did not build, with AVX512-BF16
+    `_matmul_attention` past `MATMUL_MIN_KEYS`, else float32 copies), torch's flash kernel,
+    or float32 copies."""
     t, kvh = q.shape[0], k.shape[1]
-    if k.dtype == torch.bfloat16 and _PATH == "float32":
-        return _causal_cpu(q.float(), *_widened(k, v), prefix, scale).to(q.dtype)
     if t > 1 and _PATH == "native" and k.dtype == torch.bfloat16 and (op := native.attention_bf16()) is not None:
         d = q.shape[2]
         if d % 16 == 0 and d <= 128 and q.stride(2) == k.stride(2) == v.stride(2) == 1:
             return op(q, k, v, d**-0.5 if scale is None else scale)
+    if k.dtype == torch.bfloat16 and (_PATH == "float32" or (_PATH == "native" and not _BF16_GEMMS)):
+        return _causal_cpu(q.float(), *_widened(k, v), prefix, scale).to(q.dtype)
     kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     if prefix == 0 and t > 1:
         out, _ = _flash(q.transpose(0, 1).unsqueeze(0), kh, vh, is_causal=True, scale=scale)

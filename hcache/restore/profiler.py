@@ -19,6 +19,7 @@ import torch
 from rich.progress import Progress
 
 from hcache.config import StorageConfig
+from hcache.kernels.cpu import cpu
 from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
 from hcache.restore.executor import recompute_prefix, restore
@@ -37,7 +38,8 @@ RE_CONTEXTS_GPU = (*RE_CONTEXTS, 16384)
 IO_TOKENS = 4096
 LONG_CONTEXT = 4096  # recompute at this many tokens or more is timed on fewer layers and runs
 H_TOKENS = (1024, 4096)
-PROFILE_VERSION = 9  # bumped when the profile gains a measurement or the read path changes: older files are re-measured
+# bumped when the profile gains a measurement, or a read or compute path changes: older files are re-measured
+PROFILE_VERSION = 10
 # on a CPU a mix's prediction errs more than a single method's (its recompute prefix shares
 # the cores with the reads): a mix must win by more than that error to be chosen
 # (the figures behind it: bench/RESULTS.md)
@@ -47,7 +49,7 @@ CPU_MIX_MARGIN = 0.15
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device).replace(" ", "-")
-    return f"cpu-{platform.machine()}-{torch.get_num_threads()}t"
+    return f"cpu-{platform.machine()}-{cpu().kind}-{torch.get_num_threads()}t"  # the kind picks the kernels
 
 
 def profile_path(cache_dir: Path, model: DecoderModel) -> Path:

@@ -1,16 +1,18 @@
-"""Our AVX512-BF16 attention kernel (hcache/kernels/attention_bf16.cpp) against a float64
-reference, and the property the engine leans on: a position's output has the same bits
-whether its prompt was attended in one call or in pieces."""
+"""Our attention kernel (hcache/kernels/attention_bf16.cpp), in the form this CPU builds
+(AVX512-BF16 dot products, or the same arithmetic from AVX-512F FMAs), against a float64
+reference; the property the engine leans on: a position's output has the same bits whether
+its prompt was attended in one call or in pieces; and the two forms' bits against each other."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from hcache.kernels import native
+from hcache.kernels.cpu import cpu
 from hcache.model.attention import _matmul_attention
 
 op = native.attention_bf16()
-pytestmark = pytest.mark.skipif(op is None, reason="needs AVX512-BF16 and a C++ compiler")
+pytestmark = pytest.mark.skipif(op is None, reason="needs AVX-512 and a C++ compiler")
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -104,3 +106,14 @@ def test_bad_input_is_refused():
         op(q.float(), k, v, 0.125)
     with pytest.raises(RuntimeError, match="head_dim"):
         op(q[..., :40], k[..., :40], v[..., :40], 0.125)
+
+
+@pytest.mark.skipif(not cpu().bf16, reason="needs AVX512-BF16 to run both forms")
+@pytest.mark.parametrize("t,s,heads,kv_heads,d", [(32, 3000, 9, 3, 64), (200, 1100, 14, 2, 64), (33, 300, 8, 2, 16)])
+def test_the_avx512f_form_gives_the_dot_product_forms_bits(t, s, heads, kv_heads, d):
+    """Replicas on CPUs with and without AVX512-BF16 share sessions: a turn must attend to
+    the same bits on either (inputs without subnormals, which the instruction reads as 0)."""
+    f = native.attention_avx512f()
+    assert f is not None
+    q, k, v = inputs(t, s, heads, kv_heads, d, t + s)
+    assert torch.equal(f(q, k, v, d**-0.5), op(q, k, v, d**-0.5))

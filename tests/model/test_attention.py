@@ -37,11 +37,11 @@ def test_matches_reference(dtype, tol, t, s, heads, kv_heads):
 @pytest.mark.parametrize("path", ["native", "flash", "float32"])
 @pytest.mark.parametrize("t,s", [(9, 9), (9, 200), (32, 1600)])
 def test_each_cpu_kinds_path_over_a_bfloat16_cache_matches_the_reference(monkeypatch, path, t, s):
-    """`Cpu.attention`'s three paths, each run on every CPU that can: AVX512-BF16's kernel,
+    """`Cpu.attention`'s three paths, each run on every CPU that can: our kernel (AVX-512),
     AMX's flash kernel, and the float32 kernels over widened K/V (AVX2), which give the
     bits of a float32 cache holding the same values."""
     if path == "native" and native.attention_bf16() is None:
-        pytest.skip("our kernel needs AVX512-BF16 and a C++ compiler")
+        pytest.skip("our kernel needs AVX-512 and a C++ compiler")
     monkeypatch.setattr(attention, "_PATH", path)
     g = torch.Generator().manual_seed(s)
     q = torch.randn(t, 9, 64, generator=g).bfloat16()
