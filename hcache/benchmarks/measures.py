@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from hcache import demo, omp
 from hcache.engine.generate import ChatSession
 from hcache.engine.sampler import SamplingParams
-from hcache.model.attention import _matmul_attention, causal_attention
+from hcache.model.attention import _matmul_attention, causal_attention, widened_attention
 from hcache.model.base import DecoderModel
 from hcache.model.loader import load
 from hcache.model.quality import logits_of, perplexity_of
@@ -107,7 +107,8 @@ def attention_kernels(heads: int, kv_heads: int, head_dim: int, context: int, tu
     """The same layer's attention (bfloat16 cache, `turn` new tokens after `context - turn`
     cached ones) through every fused attention that torch offers on this CPU, next to ours:
     ms, GFLOP/s, and the largest error against a float64 reference over the largest |output|.
-    Ours is the AVX512-BF16 kernel where the CPU has one; its library path, oneDNN matmuls, too."""
+    Ours is our kernel where the CPU has AVX-512 (its AVX512-BF16 or its AVX-512F form); its
+    library paths too: oneDNN matmuls (AVX512-BF16) and float32 flash over widened K/V (others)."""
 
     def run() -> dict[str, Any]:
         g = torch.Generator().manual_seed(0)
@@ -140,6 +141,7 @@ def attention_kernels(heads: int, kv_heads: int, head_dim: int, context: int, tu
 
         measure("hcache", lambda: lambda: causal_attention(q, k, v, scale))
         measure("hcache on oneDNN matmuls", lambda: lambda: _matmul_attention(q, k, v, prefix, scale))
+        measure("hcache on float32 flash, K/V widened", lambda: lambda: widened_attention(q, k, v, prefix, scale))
         measure("torch sdpa", lambda: sdpa)
         measure("flex_attention", lambda: _flex(qh, kh, vh, prefix, scale))
         measure("onednn graph", lambda: _onednn_graph(qh, kh, vh, seen, scale, group))

@@ -117,8 +117,9 @@ def _attention(peers: dict) -> list[str]:
         "",
         "One layer's attention (`model/attention.causal_attention`, query heads grouped over their KV head, no "
         "T x S mask: the flash kernel on the prefix and on the causal block, merged by log-sum-exp; for a bfloat16 "
-        "cache on a CPU with AVX512-BF16 and no AMX, one pass of our kernel, `kernels/attention_bf16.cpp`, over "
-        "both), as GFLOP/s of 4 T S H D, against `torch.mm` on 2048-square matrices in the same dtype, same run.",
+        "cache on a CPU with AVX-512 and no AMX, one pass of our kernel, `kernels/attention_bf16.cpp` (its "
+        "AVX512-BF16 form, or without BF16 its AVX-512F form), over both), as GFLOP/s of 4 T S H D, against "
+        "`torch.mm` on 2048-square matrices in the same dtype, same run.",
         "",
         "| dtype | mm GFLOP/s | " + " | ".join(f"{s} tokens: ms / GFLOP/s / of mm" for s in contexts) + " |",
         "|---|---:|" + "---:|" * len(contexts),
@@ -140,8 +141,9 @@ def _attention_kernels(peers: dict) -> list[str]:
     peak = rates.get("mm_gflops_bfloat16")
     out = [
         f"The same layer at {a['context']} tokens (bfloat16 cache, {a['turn']}-token turn) through every fused "
-        "attention torch offers on this CPU, next to ours (`hcache`: our AVX512-BF16 kernel where the CPU has "
-        "AVX512-BF16 and no AMX) and the library path it replaced; the error is the largest "
+        "attention torch offers on this CPU, next to ours (`hcache`: our kernel where the CPU has AVX-512 and no "
+        "AMX, in its AVX512-BF16 form or, without BF16, its AVX-512F form) and the library paths it replaced "
+        "(oneDNN matmuls with AVX512-BF16, float32 flash over widened K/V without); the error is the largest "
         "|output - float64 reference| over the largest |output|.",
         "",
         "| kernel | ms | GFLOP/s | of bf16 mm | max relative error |",

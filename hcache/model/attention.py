@@ -278,6 +278,14 @@ def _widened(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return kf.copy_(k), vf.copy_(v)
 
 
+def widened_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float | None
+) -> torch.Tensor:
+    """`_causal_cpu` for a bfloat16 cache on the float32 kernels: K/V widened (the library
+    path of CPUs without bfloat16 hardware)."""
+    return _causal_cpu(q.float(), *_widened(k, v), prefix, scale).to(q.dtype)
+
+
 def _causal_mask(t: int, prefix: int, device: torch.device) -> torch.Tensor:
     """`[T, prefix + T]` float32, 0 where the last T positions see a key and -inf where they
     do not (added to the scores). The last one made is kept, for a forward's other layers."""
@@ -317,7 +325,7 @@ def _causal_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, 
         if d % 16 == 0 and d <= 128 and q.stride(2) == k.stride(2) == v.stride(2) == 1:
             return op(q, k, v, d**-0.5 if scale is None else scale)
     if k.dtype == torch.bfloat16 and (_PATH == "float32" or (_PATH == "native" and not _BF16_GEMMS)):
-        return _causal_cpu(q.float(), *_widened(k, v), prefix, scale).to(q.dtype)
+        return widened_attention(q, k, v, prefix, scale)
     kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     if prefix == 0 and t > 1:
         out, _ = _flash(q.transpose(0, 1).unsqueeze(0), kh, vh, is_causal=True, scale=scale)
