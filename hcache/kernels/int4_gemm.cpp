@@ -30,7 +30,10 @@ constexpr int64_t LANES = 16;   // output rows per tile
 constexpr int64_t GROUP = 32;   // inputs per scale and zero
 constexpr int NR_MAX = 2;       // tiles a micro-kernel streams at once, past FEW rows
 constexpr int64_t FEW = 1;      // up to these rows, one tile: the weights then stream in order
-constexpr int MR_MAX = 4;       // activation rows it holds: NR_MAX * MR_MAX int32 and float32 sums
+// activation rows it holds (both passes of 4 rows): NR_MAX * MR_MAX int32 sums in registers,
+// and as many float32 ones, which the compiler keeps partly in L1, touched once a group; each
+// tile's nibbles are split once for 8 rows rather than 4
+constexpr int MR_MAX = 8;
 constexpr int64_t AHEAD = 512;  // bytes of each tile's stream prefetched ahead of use
 
 // `q` [N, K] in 0..15 -> uint8 [ceil(N/16), K/8, 16, 4]: tile t, pair p holds rows

@@ -44,7 +44,7 @@ def operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Ten
         (1, 16, 32),  # one tile, one group
         (1, 70, 96),  # one row: a tile at a time, a partial last
         (2, 17, 64),  # a tile of one row
-        (5, 40, 96),  # rows past a micro-kernel's 2 (both passes of each); tiles past a pair
+        (5, 40, 96),  # rows past a micro-kernel's 4 (both passes of each); tiles past a pair
         (9, 300, 576),  # the default model's K; a partial last tile
         (32, 48, 1536),  # batch 32 over a down projection's K
         (300, 40, 896),  # a prefill chunk
