@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import os
@@ -236,11 +237,9 @@ def _hcache_decode(engine: Engine, doc: list[int], batches: list[int], prompt: i
 def _together(submitted_ms: list[float], stats: list[TurnStats]) -> list[float]:
     """The gaps that ended while every sequence decoded: each token's time is its turn's
     submission plus its TTFT and the gaps before it."""
-    ends = [
-        [t + st.ttft_ms + sum(st.tbt_ms[: i + 1]) for i in range(len(st.tbt_ms))]
-        for t, st in zip(submitted_ms, stats, strict=True)
-    ]
-    joined = max(t + st.ttft_ms for t, st in zip(submitted_ms, stats, strict=True))
+    pairs = list(zip(submitted_ms, stats, strict=True))
+    ends = [[t + st.ttft_ms + s for s in itertools.accumulate(st.tbt_ms)] for t, st in pairs]
+    joined = max(t + st.ttft_ms for t, st in pairs)
     left = min(e[-1] for e in ends)
     gaps = [
         g for st, e in zip(stats, ends, strict=True) for g, end in zip(st.tbt_ms, e, strict=True) if joined < end < left

@@ -75,8 +75,8 @@ _ATTENTION_F = _Kernel(
 _INT8 = _Kernel("int8_gemm", "-mavx512vnni", "hcache_int8.int8_mm", lambda: cpu().vnni)
 _INT4 = _Kernel("int4_gemm", "-mavx512vnni", "hcache_int4.int4_linear", lambda: cpu().vnni)
 _DECODE = _Kernel("decode_attention", "-mavx512dq", "hcache_decode.decode_attention", lambda: cpu().avx512)
-# what this CPU serves with: one form of the attention kernel
-KERNELS = (_INT8, _INT4, _ATTENTION if cpu().bf16 else _ATTENTION_F, _DECODE)
+_SERVED_ATTENTION = _ATTENTION if cpu().bf16 else _ATTENTION_F  # the form this CPU serves with
+KERNELS = (_INT8, _INT4, _SERVED_ATTENTION, _DECODE)
 
 
 def build_all() -> list[threading.Thread]:
@@ -96,7 +96,7 @@ def attention_bf16() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, floa
     """`op(q [T, H, D], k [S, KvH, D], v, scale) -> [T, H*D]`, all bfloat16 on the CPU, head
     dims contiguous and a multiple of 16 up to 128; the last T positions attend causally.
     With AVX512-BF16 its dot-product form, else its AVX-512F form (`attention_avx512f`)."""
-    return _ATTENTION.get() if cpu().bf16 else _ATTENTION_F.get()
+    return _SERVED_ATTENTION.get()
 
 
 def attention_avx512f() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None:
