@@ -76,6 +76,29 @@ inline void prefetch_row(const at::BFloat16* k, const at::BFloat16* v, int64_t d
   }
 }
 
+#ifndef __AVX512BF16__
+// o[4][NE vectors] = o * alpha + P V over `nk2` keys (an even count), the pair's odd key
+// first as `vdpbf16ps` adds it; `p` [keys][rows] with row stride `ps`, `vf` [keys][128].
+template <int NE>
+inline void pv_tile(float* o, int64_t d, const float* al, const float* p, int64_t ps, const float* vf, int64_t nk2) {
+  __m512 acc[4][NE];
+  for (int a = 0; a < 4; ++a)
+    for (int b = 0; b < NE; ++b) acc[a][b] = _mm512_mul_ps(_mm512_load_ps(o + a * d + 16 * b), _mm512_set1_ps(al[a]));
+  for (int64_t j = 0; j < nk2; j += 2) {
+    for (int64_t key = j + 1; key >= j; --key) {
+      __m512 vx[NE];
+      for (int b = 0; b < NE; ++b) vx[b] = _mm512_load_ps(vf + key * 128 + 16 * b);
+      for (int a = 0; a < 4; ++a) {
+        const __m512 pb = _mm512_set1_ps(p[key * ps + a]);
+        for (int b = 0; b < NE; ++b) acc[a][b] = _mm512_fmadd_ps(pb, vx[b], acc[a][b]);
+      }
+    }
+  }
+  for (int a = 0; a < 4; ++a)
+    for (int b = 0; b < NE; ++b) _mm512_store_ps(o + a * d + 16 * b, acc[a][b]);
+}
+#endif
+
 struct Shape {
   int64_t t, s, prefix, g, d, heads;  // new tokens, keys, keys before them, heads per KV head, head dim, heads
   int64_t qs0, qs1, ks0, ks1, vs0, vs1;  // strides (elements) of q [T,H,D], k/v [S,KvH,D]
@@ -170,7 +193,8 @@ void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const a
           ko[a] = odd_of(kb), ke[a] = even_of(kb);
         }
         for (int i = 0; i < RV; ++i) {
-          const __m512 qox = _mm512_load_ps(&qo[e][16 * i]), qex = _mm512_load_ps(&qe[e][16 * i]);
+          __m512 qox = _mm512_load_ps(&qo[e][16 * i]), qex = _mm512_load_ps(&qe[e][16 * i]);
+          __asm__("" : "+v"(qox), "+v"(qex));  // loaded once for the KQ keys, not folded into each FMA
           for (int a = 0; a < KQ; ++a) acc[a][i] = _mm512_fmadd_ps(qex, ke[a], _mm512_fmadd_ps(qox, ko[a], acc[a][i]));
         }
 #endif
@@ -244,6 +268,7 @@ void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const a
     // o = o * alpha + P V, 4 rows x D at a time
     alignas(64) float al[R];
     for (int i = 0; i < RV; ++i) _mm512_store_ps(&al[16 * i], alpha[i]);
+#ifdef __AVX512BF16__
     for (int64_t r = 0; r < R; r += 4) {
       for (int64_t e = 0; e < dv; e += 4) {
         const int64_t ne = std::min<int64_t>(4, dv - e);
@@ -253,28 +278,29 @@ void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const a
             acc[a][b] = b < ne ? _mm512_mul_ps(_mm512_load_ps(o + (r + a) * d + 16 * (e + b)), _mm512_set1_ps(al[r + a]))
                                : _mm512_setzero_ps();
         for (int64_t j = 0; j < nk2 / 2; ++j) {
-#ifdef __AVX512BF16__
           __m512i vx[4];
           for (int b = 0; b < 4; ++b) vx[b] = b < ne ? _mm512_load_si512(&vp[j][16 * (e + b)]) : _mm512_setzero_si512();
           for (int a = 0; a < 4; ++a) {
             const __m512i pb = _mm512_set1_epi32(int32_t(pp[j][r + a]));
             for (int b = 0; b < 4; ++b) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], (__m512bh)pb, (__m512bh)vx[b]);
           }
-#else
-          for (int64_t key = 2 * j + 1; key >= 2 * j; --key) {  // the pair's odd key first
-            __m512 vx[4];
-            for (int b = 0; b < 4; ++b) vx[b] = b < ne ? _mm512_load_ps(&vf[key][16 * (e + b)]) : _mm512_setzero_ps();
-            for (int a = 0; a < 4; ++a) {
-              const __m512 pb = _mm512_set1_ps(pf[key][r + a]);
-              for (int b = 0; b < 4; ++b) acc[a][b] = _mm512_fmadd_ps(pb, vx[b], acc[a][b]);
-            }
-          }
-#endif
         }
         for (int a = 0; a < 4; ++a)
           for (int b = 0; b < ne; ++b) _mm512_store_ps(o + (r + a) * d + 16 * (e + b), acc[a][b]);
       }
     }
+#else
+    for (int64_t r = 0; r < R; r += 4) {
+      int64_t e = 0;
+      for (; e + 4 <= dv; e += 4) pv_tile<4>(o + r * d + 16 * e, d, &al[r], &pf[0][r], R, &vf[0][16 * e], nk2);
+      switch (dv - e) {
+        case 3: pv_tile<3>(o + r * d + 16 * e, d, &al[r], &pf[0][r], R, &vf[0][16 * e], nk2); break;
+        case 2: pv_tile<2>(o + r * d + 16 * e, d, &al[r], &pf[0][r], R, &vf[0][16 * e], nk2); break;
+        case 1: pv_tile<1>(o + r * d + 16 * e, d, &al[r], &pf[0][r], R, &vf[0][16 * e], nk2); break;
+        default: break;
+      }
+    }
+#endif
   }
 }
 
