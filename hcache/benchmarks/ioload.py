@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 
-from hcache.storage.slab import aligned_buffer  # stdlib only: this process imports no torch
+from hcache.memory import aligned_buffer  # stdlib only: this process imports no torch
 
 ALIGN = 4096  # storage.layout.ALIGN (that module imports torch)
 

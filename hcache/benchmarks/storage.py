@@ -17,10 +17,10 @@ import torch
 
 from hcache.benchmarks import report
 from hcache.config import StorageConfig
+from hcache.memory import aligned_buffer
 from hcache.model.geometry import ModelConfig
 from hcache.storage.dirs import ensure_dirs
 from hcache.storage.layout import Kind
-from hcache.storage.slab import aligned_buffer
 from hcache.storage.store import ChunkStore
 
 RAW_FILE_BYTES = 1 << 30

@@ -8,11 +8,13 @@ as one run where possible: a contiguous table is read as a view, not gathered.""
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 import torch
 
 from hcache.model.attention import causal_attention, key_width
 from hcache.model.base import DecoderModel
+from hcache.model.cache import zeros_for_reads
 from hcache.model.decode import BLOCK_TOKENS, Paged
 from hcache.model.geometry import ModelConfig
 
@@ -26,6 +28,11 @@ def resident_kv_dtype(choice: str, model: DecoderModel) -> torch.dtype:
     return model.dtype if choice == "model" else getattr(torch, choice)
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Is `b` the very view `a` (same memory, shape and strides)?"""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
 class OutOfBlocks(Exception):
     """The pool has fewer free blocks than asked for."""
 
@@ -36,10 +43,12 @@ class BlockPool:
             raise ValueError("the block pool needs at least one block")
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.num_blocks = num_blocks
-        shape = (num_blocks * BLOCK_TOKENS, cfg.num_kv_heads, cfg.head_dim)
-        # token-major per layer: a block is rows b*64 .. b*64+63
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)]
+        shape = (num_blocks * BLOCK_TOKENS, 2, cfg.num_kv_heads, cfg.head_dim)
+        # token-major per layer, each token's K row then its V row, as a stored chunk holds
+        # them: a block is rows b*64 .. b*64+63, and a chunk read lands in it as it is
+        self.kv = [zeros_for_reads(shape, dtype, self.device) for _ in range(cfg.num_layers)]
+        self.k = [kv[:, 0] for kv in self.kv]
+        self.v = [kv[:, 1] for kv in self.kv]
         self._free: list[int] = list(range(num_blocks))  # sorted
 
     @staticmethod
@@ -98,6 +107,7 @@ class PagedCache:
         self._pending = 0
         self._rows = torch.empty(0, dtype=torch.long, device=pool.device)  # token position -> pool row
         self._one: Paged | None = None  # a one-token forward's attention, for its layers
+        self._settle: Callable[[], None] | None = None  # waits out reads landing in lent rows
 
     @property
     def capacity(self) -> int:
@@ -141,6 +151,8 @@ class PagedCache:
         s = self.length if start is None else start
         rows = self._span(s, k.shape[0])
         if isinstance(rows, slice):
+            if _same(self.pool.k[layer][rows], k) and _same(self.pool.v[layer][rows], v):
+                return  # read straight into these rows (`landing`)
             self.pool.k[layer][rows] = k
             self.pool.v[layer][rows] = v
         else:
@@ -160,6 +172,23 @@ class PagedCache:
             return None
         return self.pool.k[layer][rows], self.pool.v[layer][rows]
 
+    def landing(self, layer: int, start: int, n: int) -> torch.Tensor | None:
+        """The rows as the pool holds them (`[n, 2, kv_heads, head_dim]`), when they are one
+        run of blocks in host memory (O_DIRECT reads land in them)."""
+        rows = self._span(start, n)
+        if not isinstance(rows, slice) or start + n > self.capacity or self.pool.device.type != "cpu":
+            return None
+        return self.pool.kv[layer][rows]
+
+    def hold(self, settle: Callable[[], None] | None) -> None:
+        self._settle = settle
+
+    def _let_go(self) -> None:
+        """Before blocks go back to the pool: no read may land in them afterwards."""
+        if self._settle is not None:
+            settle, self._settle = self._settle, None
+            settle()
+
     def layer_kv(self, layer: int, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.length if n is None else n
         rows = self._span(0, n)
@@ -178,11 +207,13 @@ class PagedCache:
         self.length = min(self.length, n)
         keep = -(-self.length // BLOCK_TOKENS)
         if keep < len(self.blocks):
+            self._let_go()
             self.pool.release(self.blocks[keep:])
             del self.blocks[keep:]
             self._rows = self._rows[: keep * BLOCK_TOKENS]
 
     def free(self) -> None:
+        self._let_go()
         self.pool.release(self.blocks)
         self.blocks, self.length, self._pending = [], 0, 0
         self._rows = self._rows[:0]
@@ -243,12 +274,12 @@ def _decode_step(caches: list[PagedCache]) -> Paged:
     one = caches[0]
     if len(caches) == 1 and one.contiguous:
         start = one.blocks[0] * BLOCK_TOKENS
-        return Paged(pool.k, pool.v, write_rows, torch.arange(start, start + width, device=dev)[None], attended)
+        return Paged(pool.kv, write_rows, torch.arange(start, start + width, device=dev)[None], attended)
     gathered = []
     for c, n in zip(caches, lengths, strict=True):
         rows = c.rows(0, key_width(n))
         gathered.append(torch.cat([rows, rows[-1:].expand(width - rows.shape[0])]) if rows.shape[0] < width else rows)
-    return Paged(pool.k, pool.v, write_rows, torch.cat(gathered).view(len(caches), width), attended)
+    return Paged(pool.kv, write_rows, torch.cat(gathered).view(len(caches), width), attended)
 
 
 def warm_decode(model: DecoderModel, kv_dtype: torch.dtype) -> None:

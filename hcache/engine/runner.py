@@ -77,7 +77,7 @@ class Runner:
                 graph.warm(kv_dtype)
                 if model.device.type == "cuda":  # before any session holds blocks (see `capture`)
                     blocks = min(pool.num_blocks, key_width(model.cfg.max_position) // BLOCK_TOKENS)
-                    graph.capture(pool.k, pool.v, self.cfg.max_batch, blocks)
+                    graph.capture(pool.kv, self.cfg.max_batch, blocks)
                 self.graph = graph
             finally:
                 self._done()
@@ -229,7 +229,7 @@ class Runner:
             c.reserve(1)
         pool = caches[0].pool
         tokens = [q.generated[-1] for q in batch]
-        out = self.graph(tokens, positions, [c.length for c in caches], [c.blocks for c in caches], pool.k, pool.v)
+        out = self.graph(tokens, positions, [c.length for c in caches], [c.blocks for c in caches], pool.kv)
         for c in caches:
             c.length += 1
         return out

@@ -15,11 +15,14 @@ import torch.nn.functional as F
 from hcache.kernels import native
 from hcache.kernels.cpu import cpu
 from hcache.kernels.fused import own_code
+from hcache.model.cache import zeros_for_reads
 from hcache.model.geometry import ModelConfig
 
 
 class KVCache:
-    """Per-layer K and V, token-major `[capacity, n_kv_heads, head_dim]`, grown by doubling."""
+    """Per-layer K and V, token-major: `kv[layer]` `[capacity, 2, n_kv_heads, head_dim]` holds
+    each token's K row then its V row, as a stored chunk and the engine's pool hold them
+    (`k`, `v` are views); grown by doubling."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", capacity: int = 256):
         capacity = key_width(capacity)
@@ -30,16 +33,21 @@ class KVCache:
         self._pending = 0  # tokens of the forward in progress
         # a one-token forward's key rows and length (`decode_attention`), for its layers
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.k = [self._empty(capacity) for _ in range(cfg.num_layers)]
-        self.v = [self._empty(capacity) for _ in range(cfg.num_layers)]
+        self.kv = [self._empty(capacity) for _ in range(cfg.num_layers)]
+        self._views()
+        self._settle: Callable[[], None] | None = None  # waits out reads landing in its rows
 
     def _empty(self, n: int) -> torch.Tensor:
         # zeros: a decode step reads (masked) rows past `length`, and 0 * NaN would leak through
-        return torch.zeros(n, self.cfg.num_kv_heads, self.cfg.head_dim, dtype=self.dtype, device=self.device)
+        return zeros_for_reads((n, 2, self.cfg.num_kv_heads, self.cfg.head_dim), self.dtype, self.device)
+
+    def _views(self) -> None:
+        self.k = [kv[:, 0] for kv in self.kv]
+        self.v = [kv[:, 1] for kv in self.kv]
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[0]
+        return self.kv[0].shape[0]
 
     def reserve(self, n: int) -> None:
         """Make room for `n` more tokens past `length`."""
@@ -47,11 +55,13 @@ class KVCache:
         if need <= self.capacity:
             return
         cap = key_width(max(need, 2 * self.capacity))
-        for store in (self.k, self.v):
-            for i, old in enumerate(store):
-                new = self._empty(cap)
-                new[: self.length] = old[: self.length]
-                store[i] = new
+        if self._settle is not None:
+            self._settle()  # rows still landing (`landing`) are in before they move
+        for i, old in enumerate(self.kv):
+            new = self._empty(cap)
+            new[: old.shape[0]] = old  # every row: a restore's land before `length` moves
+            self.kv[i] = new
+        self._views()
 
     def begin(self, n: int, start: int | None = None) -> None:
         """Start a forward of `n` tokens at `start` (default: after the committed ones)."""
@@ -80,6 +90,14 @@ class KVCache:
         if start + n > self.capacity:  # a short view would be resized by out= kernels, not filled
             raise ValueError(f"rows {start}..{start + n} past the cache's capacity {self.capacity}")
         return self.k[layer][start : start + n], self.v[layer][start : start + n]
+
+    def landing(self, layer: int, start: int, n: int) -> torch.Tensor | None:
+        if start + n > self.capacity or self.device.type != "cpu":
+            return None
+        return self.kv[layer][start : start + n]
+
+    def hold(self, settle: Callable[[], None] | None) -> None:
+        self._settle = settle
 
     def layer_kv(self, layer: int, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.length if n is None else n

@@ -8,9 +8,13 @@ paged cache and its batch of paged caches implement it."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
+
+from hcache.memory import aligned_buffer
 
 
 class Cache(Protocol):
@@ -48,9 +52,30 @@ class KVRows(Cache, Protocol):
         """Views of layer `layer`'s rows `start..start+n` to fill in place, or None (then `write`)."""
         ...
 
+    def landing(self, layer: int, start: int, n: int) -> torch.Tensor | None:
+        """Layer `layer`'s rows `start..start+n` as one contiguous `[n, 2, kv_heads, head_dim]`
+        tensor (each token's K then V, as a stored chunk holds them) for reads to land in, or
+        None where the cache cannot lend them."""
+        ...
+
+    def hold(self, settle: Callable[[], None] | None) -> None:
+        """Reads may be landing in lent rows: `settle` waits them out, and is called before
+        any of the cache's memory is let go (None: nothing lands any more)."""
+        ...
+
     def layer_kv(self, layer: int, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s K and V of the first `n` tokens (default: `length`)."""
         ...
 
     def truncate(self, n: int) -> None:
         """Forget tokens past `n`."""
+
+
+def zeros_for_reads(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros that stored chunks can be read into as they are (`KVRows.landing`): in host
+    memory, page-aligned for O_DIRECT and on huge pages (`hcache.memory`), which also
+    leaves them untouched until used."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or not nbytes:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(aligned_buffer(nbytes), dtype=torch.uint8, count=nbytes).view(dtype).view(shape)

@@ -29,6 +29,7 @@ from hcache.kernels import native
 from hcache.kernels.fused import own_code
 from hcache.model.attention import KEY_BLOCK, decode_attention, key_width
 from hcache.model.base import DecoderModel
+from hcache.model.cache import zeros_for_reads
 
 log = logging.getLogger(__name__)
 
@@ -44,20 +45,21 @@ class StepOut:
 
 
 class Paged:
-    """The cache contract (model/cache.py) for one decode step over per-layer pools `k`, `v`
-    (eager, or inside the traced step): `rows` `[B]` is where each sequence's new K/V go,
+    """The cache contract (model/cache.py) for one decode step over per-layer pools `kv`
+    `[rows, 2, kv_heads, head_dim]`, each row a token's K then its V (eager, or inside the
+    traced step: one tensor a layer, as compiled graphs take no inputs that alias another's
+    memory): `rows` `[B]` is where each sequence's new K/V go,
     `keys` `[B, width]` its K/V's pool rows (whole key blocks, the new token's included) and
     `lengths` `[B]` how many of them it attends to (`decode_attention`)."""
 
     def __init__(
         self,
-        k: list[torch.Tensor],
-        v: list[torch.Tensor],
+        kv: list[torch.Tensor],
         rows: torch.Tensor,
         keys: torch.Tensor,
         lengths: torch.Tensor,
     ):
-        self.k, self.v, self.rows, self.keys, self.lengths = k, v, rows, keys, lengths
+        self.kv, self.rows, self.keys, self.lengths = kv, rows, keys, lengths
         self.new: list[torch.Tensor] = []  # per layer, the rows written: [B, 2, kv_dim]
 
     def begin(self, n: int, start: int | None = None) -> None:
@@ -69,12 +71,11 @@ class Paged:
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
     ) -> torch.Tensor:
-        pk, pv = self.k[layer], self.v[layer]
-        k, v = k.to(pk.dtype), v.to(pv.dtype)
-        pk.index_copy_(0, self.rows, k)
-        pv.index_copy_(0, self.rows, v)
-        self.new.append(torch.stack((k, v), 1).flatten(2))
-        return decode_attention(q, pk, pv, self.keys, self.lengths, scale)
+        pool = self.kv[layer]
+        new = torch.stack((k.to(pool.dtype), v.to(pool.dtype)), 1)
+        pool.index_copy_(0, self.rows, new)
+        self.new.append(new.flatten(2))
+        return decode_attention(q, pool[:, 0], pool[:, 1], self.keys, self.lengths, scale)
 
 
 def _forward(
@@ -94,8 +95,7 @@ def _step_one(
     model: DecoderModel,
     tokens: torch.Tensor,
     positions: torch.Tensor,
-    k: list[torch.Tensor],
-    v: list[torch.Tensor],
+    kv: list[torch.Tensor],
     start: int,
     length: int,
     width: int,
@@ -105,7 +105,7 @@ def _step_one(
     reads them where they lie."""
     rows = torch.full((1,), start + length, dtype=torch.long, device=tokens.device)
     keys = (torch.arange(width, device=tokens.device) + start)[None]
-    cache = Paged(k, v, rows, keys, torch.full((1,), length + 1, device=tokens.device))
+    cache = Paged(kv, rows, keys, torch.full((1,), length + 1, device=tokens.device))
     return _forward(model, tokens, positions, cache)
 
 
@@ -115,8 +115,7 @@ def _step_batch(
     positions: torch.Tensor,
     lengths: torch.Tensor,
     table: torch.Tensor,
-    k: list[torch.Tensor],
-    v: list[torch.Tensor],
+    kv: list[torch.Tensor],
 ) -> tuple[torch.Tensor, ...]:
     """Sequences of `lengths` `[B]` rows before this token, their blocks a row of `table`
     `[B, blocks]` (as many blocks as the longest needs with its new token, shorter rows
@@ -125,7 +124,7 @@ def _step_batch(
     b, dev = tokens.shape[0], tokens.device
     all_rows = (table[:, :, None] * BLOCK_TOKENS + torch.arange(BLOCK_TOKENS, device=dev)).view(b, -1)
     rows = all_rows.gather(1, lengths[:, None]).view(b)
-    cache = Paged(k, v, rows, all_rows, lengths + 1)
+    cache = Paged(kv, rows, all_rows, lengths + 1)
     return _forward(model, tokens, positions, cache)
 
 
@@ -217,37 +216,35 @@ class DecodeGraph:
         positions: list[int],
         lengths: list[int],
         blocks: list[list[int]],
-        k: list[torch.Tensor],
-        v: list[torch.Tensor],
+        kv: list[torch.Tensor],
     ) -> StepOut:
         """Sequence i feeds `tokens[i]` at `positions[i]`; it holds `lengths[i]` rows in the
-        pools `k`, `v`, in `blocks[i]`, which already has room for one more."""
-        dev = k[0].device
+        pools `kv` (`Paged`'s), in `blocks[i]`, which already has room for one more."""
+        dev = kv[0].device
         n = len(tokens)
         if self._recorded:
-            out = self._replay(tokens, positions, lengths, blocks, k)
+            out = self._replay(tokens, positions, lengths, blocks, kv)
             if out is not None:
                 return out
         with torch.inference_mode(), self._floats_fixed:
             if n == 1 and blocks[0][-1] - blocks[0][0] == len(blocks[0]) - 1:
                 t, pos = torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev)
                 start, width = blocks[0][0] * BLOCK_TOKENS, key_width(lengths[0] + 1)
-                return StepOut(*self._one(self.model, t, pos, k, v, start, lengths[0], width))
+                return StepOut(*self._one(self.model, t, pos, kv, start, lengths[0], width))
             if n == 1:
                 tokens, positions, lengths, blocks = tokens * 2, positions * 2, lengths * 2, blocks * 2
             # never 1 column: that size would get a graph of its own (a masked block is free of effect)
             cols = max(2, _key_blocks(lengths))
             table = torch.tensor([(b + b[-1:] * cols)[:cols] for b in blocks], device=dev)
-            logits, greedy, hidden, kv = self._batch(
+            logits, greedy, hidden, new = self._batch(
                 self.model,
                 torch.tensor(tokens, device=dev),
                 torch.tensor(positions, device=dev),
                 torch.tensor(lengths, device=dev),
                 table,
-                k,
-                v,
+                kv,
             )
-        return StepOut(logits[:n], greedy[:n], hidden[:, :n], kv[:, :n])
+        return StepOut(logits[:n], greedy[:n], hidden[:, :n], new[:, :n])
 
     def _replay(
         self,
@@ -255,7 +252,7 @@ class DecodeGraph:
         positions: list[int],
         lengths: list[int],
         blocks: list[list[int]],
-        k: list[torch.Tensor],
+        kv: list[torch.Tensor],
     ) -> StepOut | None:
         """The step as the recorded graph of its bucket, None where none was recorded (on
         other pools, or past the buckets). Batches are padded with copies of their last
@@ -263,7 +260,7 @@ class DecodeGraph:
         n = len(tokens)
         cols = bucket(_key_blocks(lengths))
         rec = self._recorded.get((bucket(n), cols))
-        if rec is None or rec.pool != k[0].data_ptr():
+        if rec is None or rec.pool != kv[0].data_ptr():
             return None
         rows = [
             [t, p, n_, *(b + b[-1:] * cols)[:cols]]
@@ -277,20 +274,20 @@ class DecodeGraph:
         o = rec.out
         return StepOut(o.logits[:n], o.greedy[:n], o.hidden[:, :n], o.kv[:, :n])
 
-    def capture(self, k: list[torch.Tensor], v: list[torch.Tensor], max_batch: int, max_blocks: int) -> float:
-        """Record the batch step as CUDA graphs on the serving pools `k`, `v` (a graph holds
+    def capture(self, kv: list[torch.Tensor], max_batch: int, max_blocks: int) -> float:
+        """Record the batch step as CUDA graphs on the serving pools `kv` (a graph holds
         their addresses): one per power-of-two batch size up to `max_batch` and number of key
         blocks up to `max_blocks`. Recording writes K/V rows of block 0, so it runs before any
         sequence holds blocks. Returns the seconds it took."""
         t0 = time.perf_counter()
-        dev = k[0].device
+        dev = kv[0].device
         mempool = torch.cuda.graph_pool_handle()  # the graphs replay one at a time: one pool
         side = torch.cuda.Stream(dev)
         sizes = [(b, c) for b in _powers(max_batch) for c in _powers(max_blocks)]
         with torch.inference_mode(), self._floats_fixed, torch.compiler.set_stance("default"):
             for b, cols in sizes:
                 ins = torch.zeros(b, 3 + cols, dtype=torch.long, device=dev)
-                args = (self.model, ins[:, 0], ins[:, 1], ins[:, 2], ins[:, 3:], k, v)
+                args = (self.model, ins[:, 0], ins[:, 1], ins[:, 2], ins[:, 3:], kv)
                 side.wait_stream(torch.cuda.current_stream(dev))
                 with torch.cuda.stream(side):  # compiles and tunes outside the recording
                     self._batch(*args)
@@ -298,7 +295,7 @@ class DecodeGraph:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=mempool, capture_error_mode="thread_local"):
                     out = StepOut(*self._batch(*args))
-                self._recorded[(b, cols)] = _Recorded(graph, ins, out, k[0].data_ptr())
+                self._recorded[(b, cols)] = _Recorded(graph, ins, out, kv[0].data_ptr())
         took = time.perf_counter() - t0
         log.info("decode step recorded as %d CUDA graphs in %.1f s", len(sizes), took)
         return took
@@ -308,9 +305,8 @@ class DecodeGraph:
         rows are not touched). Returns the seconds it took."""
         t0 = time.perf_counter()
         cfg, dev = self.model.cfg, self.model.device
-        shape = (11 * BLOCK_TOKENS, cfg.num_kv_heads, cfg.head_dim)
-        k = [torch.zeros(shape, dtype=kv_dtype, device=dev) for _ in range(cfg.num_layers)]
-        v = [torch.zeros(shape, dtype=kv_dtype, device=dev) for _ in range(cfg.num_layers)]
+        shape = (11 * BLOCK_TOKENS, 2, cfg.num_kv_heads, cfg.head_dim)
+        kv = [zeros_for_reads(shape, kv_dtype, dev) for _ in range(cfg.num_layers)]  # as the pool's
         # compile even where serving already refuses to (`serve_compiled_only`: a later engine)
         with torch.compiler.set_stance("default"):
             # two values of each size, none equal to another (nor 0 or 1, nor a pool's
@@ -318,11 +314,11 @@ class DecodeGraph:
             # a batch of 2 over 2 key blocks would compile a graph for batches of as many
             # sequences as blocks, and serving would meet no other again
             for first, length in ((5, 100), (7, 130)):
-                self([0], [length], [length], [list(range(first, first + 3))], k, v)
+                self([0], [length], [length], [list(range(first, first + 3))], kv)
             for n, length, pos in ((2, 200, 100), (5, 350, 130)):  # 4 and 6 key blocks
                 cols = key_width(length + 1) // BLOCK_TOKENS
                 # (positions apart from lengths: a learned position table may be shorter)
-                self([0] * n, [pos] * n, [length] * n, [list(range(1, 1 + cols))] * n, k, v)
+                self([0] * n, [pos] * n, [length] * n, [list(range(1, 1 + cols))] * n, kv)
         took = time.perf_counter() - t0
         log.info("decode step compiled in %.1f s", took)
         return took

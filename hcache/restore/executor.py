@@ -143,7 +143,9 @@ class RestoreJob:
         """Start the reads (they run behind the recompute prefix)."""
         self._t0 = time.perf_counter()
         if self.split is None:
-            self.source.prepare(self.plan)
+            # stored K/V read straight into the cache's rows where it lends them: no copy after
+            self.cache.hold(self.source.settle)
+            self.source.prepare(self.plan, self.cache.landing)
         else:
             self.source.prepare_split(self.split)
         if self.plan.n_recompute:  # read setup delays the prefix: the planner charges it there
@@ -182,6 +184,8 @@ class RestoreJob:
     def finish(self) -> RestoreReport:
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
+        self.source.settle()  # reads of layers recomputed instead land nowhere now
+        self.cache.hold(None)
         self.cache.length = len(self.tokens)
         r = self.report
         r.ms = (time.perf_counter() - self._t0) * 1e3

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from hcache.restore.plan import Plan
-from hcache.restore.state import StateSource, StateUnavailable
+from hcache.restore.state import Landing, StateSource, StateUnavailable
 from hcache.storage.errors import ChunkError
 from hcache.storage.fetched import Fetched
 from hcache.storage.layout import CHUNK_TOKENS, Kind
@@ -32,16 +32,22 @@ class StoreSource(StateSource):
     def tokens(self) -> list[int]:
         return self.row.tokens
 
-    def _start(self, wants: list[Want]) -> None:
+    def _start(self, wants: list[Want], into: Landing | None = None) -> None:
         """Read `wants` from the chunks that hold them (a range may start inside a chunk)."""
+        self.settle()  # a reader before this one lands nothing more
         self._ranges = {(w.layer, w.kind): (w.lo, w.hi) for w in wants}
         self._kinds = {}
         for w in wants:
             self._kinds.setdefault(w.layer, []).append(w.kind)
         whole = [Want(w.layer, w.kind, w.lo - w.lo % CHUNK_TOKENS, w.hi) for w in wants]
-        self.reader = self.store.reader(self.owner, wants=whole)
+        rows = {}
+        for w in whole if into is not None else ():
+            dest = into(w.layer, w.lo, w.hi) if w.kind == Kind.KV else None
+            if dest is not None and dest.dtype == self.store.shapes[Kind.KV].dtype:
+                rows[(w.layer, w.kind)] = dest.flatten(2)  # [n, 2, kv_dim], as the reader gives KV
+        self.reader = self.store.reader(self.owner, wants=whole, into=rows)
 
-    def prepare(self, plan: Plan) -> None:
+    def prepare(self, plan: Plan, into: Landing | None = None) -> None:
         """Fetch what the plan reads where the layer stores it; the rest fails over to recompute."""
         n = self.row.num_tokens
         self._start(
@@ -49,8 +55,13 @@ class StoreSource(StateSource):
                 Want(layer, m.kind, 0, n)
                 for layer, m in enumerate(plan.methods)
                 if m.kind is not None and m.kind in self.stored[layer]
-            ]
+            ],
+            into,
         )
+
+    def settle(self) -> None:
+        if self.reader is not None:
+            self.reader.settle()
 
     def prepare_split(self, split: int) -> None:
         """Token-wise: tokens before `split` from H, the rest from KV, in every layer."""
@@ -149,9 +160,22 @@ class SharedSource(StateSource):
     def _parts(self) -> list[StateSource]:
         return [self.parent] + ([self.own] if self.own else [])
 
-    def prepare(self, plan: Plan) -> None:
+    def prepare(self, plan: Plan, into: Landing | None = None) -> None:
+        base = self.base
+
+        def parent_rows(layer: int, lo: int, hi: int) -> torch.Tensor | None:
+            return into(layer, lo, hi) if into is not None and hi <= base else None
+
+        def own_rows(layer: int, lo: int, hi: int) -> torch.Tensor | None:
+            return into(layer, base + lo, base + hi) if into is not None else None
+
+        self.parent.prepare(plan, parent_rows)
+        if self.own is not None:
+            self.own.prepare(plan, own_rows)
+
+    def settle(self) -> None:
         for s in self._parts():
-            s.prepare(plan)
+            s.settle()
 
     def prepare_split(self, split: int) -> None:
         self.parent.prepare_split(min(split, self.base))

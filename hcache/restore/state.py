@@ -5,6 +5,7 @@ it; the chunk store (hcache/storage) is the persistent source with the same ABC.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -22,9 +23,19 @@ class StateUnavailable(Exception):
         self.layer = layer
 
 
+# (layer, lo, hi) -> where tokens lo:hi of that layer's stored K/V may land, `[hi - lo, 2,
+# kv_dim]` rows of the restored cache itself, or None (`KVRows.landing`)
+Landing = Callable[[int, int, int], torch.Tensor | None]
+
+
 class StateSource(ABC):
-    def prepare(self, plan: Plan) -> None:  # noqa: B027 - optional hook
-        """Start fetching what `plan` will read (a store prefetches; memory has nothing to do)."""
+    def prepare(self, plan: Plan, into: Landing | None = None) -> None:  # noqa: B027 - optional hook
+        """Start fetching what `plan` will read (a store prefetches; memory has nothing to do).
+        With `into`, KV may be read straight into the rows it gives; `kv()` then returns views
+        of them."""
+
+    def settle(self) -> None:  # noqa: B027 - optional hook
+        """Wait out reads still landing in memory given by `into`, and start no more."""
 
     def ready(self, layer: int) -> bool:
         """Is what `layer` needs under the prepared plan already here? (Never blocks.)"""

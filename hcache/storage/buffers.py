@@ -13,8 +13,8 @@ from typing import Generic, TypeVar
 import numpy as np
 import torch
 
+from hcache.memory import HUGE_PAGE, aligned_buffer, hugepage_later
 from hcache.storage.layout import ChunkShape, Kind
-from hcache.storage.slab import HUGE_PAGE, aligned_buffer, hugepage_later
 from hcache.storage.stats import StoreStats
 
 T = TypeVar("T")

@@ -10,11 +10,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hcache.memory import aligned_buffer
 from hcache.storage.dirs import ensure_dirs
 from hcache.storage.errors import StoreLocked
 from hcache.storage.layout import CHUNK_TOKENS, checksum, decode_layer_kinds, num_chunks, parse_slab
 from hcache.storage.manifest import ChunkRow, Manifest
-from hcache.storage.slab import SlabFile, aligned_buffer
+from hcache.storage.slab import SlabFile
 from hcache.storage.store import LOCK, MANIFEST
 
 READ_BYTES = 8 << 20

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hcache.config import StorageConfig
+from hcache.memory import aligned_buffer
 from hcache.storage.buffers import LayerBuffers
 from hcache.storage.errors import ChunkError
 from hcache.storage.layout import ALIGN, CHUNK_TOKENS, ChunkShape, Kind, checksum, checksum_parts, num_chunks
@@ -21,7 +22,6 @@ from hcache.storage.manifest import ChunkRow
 from hcache.storage.placement import ChunkIndex, Placement
 from hcache.storage.readplan import Request, Want, is_tail, plan_requests, run_end, scatter_plan, wanted_chunks
 from hcache.storage.readpool import ReadPool
-from hcache.storage.slab import aligned_buffer
 from hcache.storage.stats import StoreStats
 from hcache.storage.throttle import TokenBucket
 
@@ -33,6 +33,7 @@ class LayerSlot:
     remaining: int
     out: torch.Tensor | None = None  # taken from the layer buffer pool when the first chunk lands
     mem: memoryview | None = None  # `out`'s buffer as bytes, for reads in place
+    lent: bool = False  # `out` is the caller's (rows of its cache), not the buffer pool's
     ready: threading.Event = field(default_factory=threading.Event)
     error: ChunkError | None = None
 
@@ -53,8 +54,19 @@ class ReadParts:
 class OwnerReader:
     """Fetches parts of one owner's stored layers; `get(layer, kind)` blocks until that part is whole."""
 
-    def __init__(self, owner: str, wants: list[Want], window: int, index: ChunkIndex, parts: ReadParts):
-        """Read `wants` of `owner`, whose committed chunks are `index`, out of the slab files."""
+    def __init__(
+        self,
+        owner: str,
+        wants: list[Want],
+        window: int,
+        index: ChunkIndex,
+        parts: ReadParts,
+        into: dict[tuple[int, Kind], torch.Tensor] | None = None,
+    ):
+        """Read `wants` of `owner`, whose committed chunks are `index`, out of the slab files;
+        a want's rows land in `into[(layer, kind)]` where given (the caller's memory, say its
+        cache's rows, shaped as `get` returns them: no copy follows the read), else in a
+        buffer of the reader's. Reads into the caller's memory may run until `settle()`."""
         self.owner, self.shapes, self.slabs, self.pool = owner, parts.shapes, parts.slabs, parts.pool
         self.buffers, self.throttle, self.stats, self.cfg = parts.buffers, parts.throttle, parts.stats, parts.cfg
         shapes, cfg = parts.shapes, parts.cfg
@@ -62,6 +74,9 @@ class OwnerReader:
         self.slots: dict[tuple[int, Kind], LayerSlot] = {}
         self.bytes_read = 0
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._outstanding = 0  # requests submitted and not yet done
+        self._closed = False
         self._cursor = min((w.layer for w in wants), default=0)
         rows: list[ChunkRow] = []
         for w in wants:
@@ -73,6 +88,11 @@ class OwnerReader:
             slot = self.slots[(w.layer, w.kind)] = LayerSlot(
                 w, (n, width) if w.kind == Kind.HIDDEN else (n, 2, width), last - first
             )
+            dest = (into or {}).get((w.layer, w.kind))
+            if dest is not None:
+                if tuple(dest.shape) != slot.shape or dest.dtype != shapes[w.kind].dtype or not dest.is_contiguous():
+                    raise ValueError(f"layer {w.layer}: rows to land in must be a contiguous {slot.shape}")
+                slot.out, slot.lent = dest, True
             got = wanted_chunks(owner, w, index.get((w.layer, w.kind.value), {}))
             if isinstance(got, ChunkError):
                 slot.error = got
@@ -123,10 +143,13 @@ class OwnerReader:
         # the plan is made on the way, outside `_lock`, which reader threads take to start
         with self._planning:
             while (q := self._next) is not None and q.min_layer < horizon:
-                if q.min_layer == self._opening:
-                    with self._lock:
+                with self._lock:
+                    if self._closed:
+                        return
+                    self._outstanding += 1
+                    if q.min_layer == self._opening:
                         self._opening_left += 1
-                    q.opening = True
+                        q.opening = True
                 q.not_before = self.throttle.reserve(q.count * self._slot_bytes[q.slab])
                 self.pool.submit(q.dir, self._run, q)
                 if self._fresh:  # let the first reader have the GIL: the rest is planned meanwhile
@@ -140,19 +163,42 @@ class OwnerReader:
         them again from memory, taking cores from a turn that runs alongside). A later
         layer's request first waits for the first layer's (FIFO queues: those are taken
         first, so the wait always ends)."""
-        if not q.opening:
-            self._opened.wait()
-            self._read(q)
-            return
         try:
-            self._read(q)
+            if not q.opening:
+                self._opened.wait()
+                self._read(q)
+                return
+            try:
+                self._read(q)
+            finally:
+                with self._lock:
+                    self._opening_left -= 1
+                    if self._opening_left == 0 and self._opening is None:
+                        self._opened.set()
         finally:
             with self._lock:
-                self._opening_left -= 1
-                if self._opening_left == 0 and self._opening is None:
-                    self._opened.set()
+                self._outstanding -= 1
+                if self._outstanding == 0:
+                    self._idle.notify_all()
+
+    def settle(self) -> None:
+        """Issue no more reads and wait out those in flight: after this, nothing lands in
+        memory lent by `into` (requests not yet started are dropped, their chunks failed)."""
+        with self._lock:
+            self._closed = True
+            while self._outstanding:
+                self._idle.wait()
+            for slot in self.slots.values():  # parts never asked of the disk: `get` fails, never waits
+                if not slot.ready.is_set():
+                    w = slot.want
+                    slot.error = slot.error or ChunkError(self.owner, w.layer, w.lo // CHUNK_TOKENS, "read dropped")
+                    slot.ready.set()
 
     def _read(self, q: Request) -> None:
+        if self._closed:
+            for r in q.chunks:
+                self._fail(r, "read dropped")
+            return
         shape = self.shapes[Kind(q.chunks[0].kind)]
         pool = self.pool
         buf = None
@@ -238,7 +284,7 @@ class OwnerReader:
         with self._lock:
             self._take(slot)
             assert slot.out is not None
-            root = slot.out if slot.out._base is None else slot.out._base
+            root = slot.out if slot.lent or slot.out._base is None else slot.out._base
             if piece % ALIGN or root.data_ptr() % ALIGN or not root.is_contiguous():
                 return None
             if slot.mem is None:
@@ -263,13 +309,14 @@ class OwnerReader:
         with self._lock:
             self._take(slot)
         start = first.idx * CHUNK_TOKENS - lo  # row in the output
-        if is_tail(first, hi):  # the partial last chunk: only its valid rows
-            slot.out[start:] = chunks[0, : hi - first.idx * CHUNK_TOKENS]
-        else:
-            full = (hi - lo) // CHUNK_TOKENS
-            c0 = start // CHUNK_TOKENS
-            sel = slice(c0, c0 + step * (k - 1) + 1, step)
-            slot.out[: full * CHUNK_TOKENS].view(full, *shape.shape)[sel] = chunks
+        with torch.inference_mode():  # lent rows may be an inference tensor (a cache made in the engine's loop)
+            if is_tail(first, hi):  # the partial last chunk: only its valid rows
+                slot.out[start:] = chunks[0, : hi - first.idx * CHUNK_TOKENS]
+            else:
+                full = (hi - lo) // CHUNK_TOKENS
+                c0 = start // CHUNK_TOKENS
+                sel = slice(c0, c0 + step * (k - 1) + 1, step)
+                slot.out[: full * CHUNK_TOKENS].view(full, *shape.shape)[sel] = chunks
         self._done(slot, k)
 
     def _fail(self, r: ChunkRow, reason: str) -> None:
@@ -321,7 +368,8 @@ class OwnerReader:
         """The caller is done with `get`'s tensor: its memory serves the next read."""
         for (lay, k), slot in self.slots.items():
             if lay == layer and (kind is None or k == kind) and slot.out is not None and slot.ready.is_set():
-                self.buffers.give(slot.out)
+                if not slot.lent:
+                    self.buffers.give(slot.out)
                 slot.out, slot.mem = None, None
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from hcache.config import StorageConfig
+from hcache.memory import aligned_buffer
 from hcache.model.geometry import ModelConfig
 from hcache.storage.buffers import LayerBuffers, chunk_pools
 from hcache.storage.capacity import Space, dir_quota, release_order, to_release
@@ -42,7 +43,6 @@ from hcache.storage.placement import Placement
 from hcache.storage.prefixes import prefix_hashes
 from hcache.storage.reader import OwnerReader, ReadParts, Want, read_chunk
 from hcache.storage.readpool import ReadPool
-from hcache.storage.slab import aligned_buffer
 from hcache.storage.staging import Segment, StagedBatch, StagingRing
 from hcache.storage.stats import DirUsage, StoreStats
 from hcache.storage.throttle import TokenBucket
@@ -334,9 +334,15 @@ class ChunkStore:
 
     # --- reading ----------------------------------------------------------------
     def reader(
-        self, owner: str, layers: list[int] | None = None, window: int | None = None, wants: list[Want] | None = None
+        self,
+        owner: str,
+        layers: list[int] | None = None,
+        window: int | None = None,
+        wants: list[Want] | None = None,
+        into: dict[tuple[int, Kind], torch.Tensor] | None = None,
     ) -> OwnerReader:
-        """Read every stored kind of `layers` (default: all), or exactly `wants`, up to the durable tokens."""
+        """Read every stored kind of `layers` (default: all), or exactly `wants`, up to the
+        durable tokens; `into` is where wants land in the caller's memory (`OwnerReader`)."""
         row = self.owner_row(owner)
         if wants is None:
             kinds = self.layer_kinds(row)
@@ -347,7 +353,7 @@ class ChunkStore:
         elif any(w.hi > row.num_tokens for w in wants):
             raise ValueError(f"owner {owner} has {row.num_tokens} durable tokens")
         index = self.placement.chunk_index(owner)
-        return OwnerReader(owner, wants, window or self.cfg.prefetch_layers, index, self._read_parts)
+        return OwnerReader(owner, wants, window or self.cfg.prefetch_layers, index, self._read_parts, into)
 
     def read_chunk(self, owner: str, layer: int, idx: int, kind: Kind) -> torch.Tensor:
         """One whole chunk (all 64 rows of its slot), checked."""

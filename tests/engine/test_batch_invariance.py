@@ -50,7 +50,7 @@ def _compiled(graph: DecodeGraph, pool: BlockPool, caches: list[PagedCache], idx
     for i in idx:
         caches[i].reserve(1)
     lengths = [caches[i].length for i in idx]
-    out = graph([11 + i for i in idx], lengths, lengths, [caches[i].blocks for i in idx], pool.k, pool.v)
+    out = graph([11 + i for i in idx], lengths, lengths, [caches[i].blocks for i in idx], pool.kv)
     return out.logits
 
 

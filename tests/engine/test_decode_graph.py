@@ -69,6 +69,6 @@ def test_the_warm_graphs_serve_any_batch_over_any_width(served_default):
         for n in (1, 2, 3, 4, 7):
             for length in (60, 150, 300):  # 2 (at least), 3 and 5 key blocks with the new token
                 blocks = [list(range(5 * i, 5 * i + 5)) for i in range(n)]
-                graph([0] * n, [length] * n, [length] * n, blocks, pool.k, pool.v)
-        graph([0], [100], [100], [[3, 9]], pool.k, pool.v)  # a lone sequence's blocks apart
+                graph([0] * n, [length] * n, [length] * n, blocks, pool.kv)
+        graph([0], [100], [100], [[3, 9]], pool.kv)  # a lone sequence's blocks apart
     assert graph.graphs() == served_default.warmed

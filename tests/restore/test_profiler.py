@@ -52,9 +52,9 @@ def slow_clock(monkeypatch: pytest.MonkeyPatch, source: type, seconds: float) ->
     real, shift = time.perf_counter, [0.0]
     prepare = source.prepare
 
-    def slower(self, plan) -> None:
+    def slower(self, plan, into=None) -> None:
         shift[0] += seconds
-        prepare(self, plan)
+        prepare(self, plan, into)
 
     monkeypatch.setattr(time, "perf_counter", lambda: real() + shift[0])
     monkeypatch.setattr(source, "prepare", slower)

@@ -16,6 +16,7 @@ import torch
 from storage_helpers import GEOM, KINDS, check_all, dirs_in, expected, h_rows, kv_rows, open_store, save
 
 from hcache.config import StorageConfig
+from hcache.memory import aligned_buffer
 from hcache.storage.buffers import ChunkBuffers, LayerBuffers
 from hcache.storage.errors import ChunkError, StorageError, StorageFull, StoreLocked, UnknownOwner
 from hcache.storage.fsck import fsck
@@ -23,7 +24,6 @@ from hcache.storage.layout import CHUNK_TOKENS, Kind, chunk_shapes, home_dir
 from hcache.storage.manifest import Manifest
 from hcache.storage.outbox import HELD_STEPS
 from hcache.storage.placement import Placement
-from hcache.storage.slab import aligned_buffer
 from hcache.storage.stats import StoreStats
 from hcache.storage.store import MANIFEST, ChunkStore
 
