@@ -59,7 +59,7 @@ class KVCache:
             self._settle()  # rows still landing (`landing`) are in before they move
         for i, old in enumerate(self.kv):
             new = self._empty(cap)
-            new[: old.shape[0]] = old  # every row: a restore's land before `length` moves
+            new[: old.shape[0]] = old  # every row: a restore lands rows before `length` moves
             self.kv[i] = new
         self._views()
 
