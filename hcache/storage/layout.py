@@ -105,7 +105,7 @@ class ChunkShape:
     def shape(self) -> tuple[int, ...]:
         return (CHUNK_TOKENS, self.width) if self.kind == Kind.HIDDEN else (CHUNK_TOKENS, 2, self.width)
 
-    @property
+    @functools.cached_property  # asked once per chunk read
     def nbytes(self) -> int:
         n = CHUNK_TOKENS * self.width * (1 if self.kind == Kind.HIDDEN else 2)
         return n * (torch.finfo(self.dtype).bits // 8)
