@@ -23,8 +23,8 @@ from hcache.engine.engine import Engine
 from hcache.engine.generate import generate
 from hcache.engine.sampler import SamplingParams
 from hcache.engine.sharing import Sharing
-from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
+from hcache.model.cache import KVCache
 from hcache.model.tokenizer import Tokenizer
 from hcache.restore.profile import Geometry, Profile
 from hcache.storage.store import ChunkStore

@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import torch
 
-from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
+from hcache.model.cache import KVCache
 from hcache.model.geometry import ModelConfig
 from hcache.model.llama import Llama
 from hcache.model.loader import DEFAULT_GEOMETRY, load

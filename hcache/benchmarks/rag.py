@@ -42,8 +42,8 @@ from hcache.engine.engine import Engine
 from hcache.engine.generate import generate
 from hcache.engine.sampler import SamplingParams
 from hcache.kernels.cpu import cpu
-from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
+from hcache.model.cache import KVCache
 from hcache.model.loader import load, resolve_model_path
 from hcache.model.tokenizer import Tokenizer
 from hcache.restore import profiler

@@ -25,7 +25,7 @@ import torch
 from hcache.benchmarks import report
 from hcache.benchmarks.models import bench_model, save_state
 from hcache.config import StorageConfig
-from hcache.model.attention import KVCache
+from hcache.model.cache import KVCache
 from hcache.restore import profiler
 from hcache.restore.executor import restore, restore_tokenwise
 from hcache.restore.partitioner import Geometry, layer_costs, lower_bound, partition, partition_tokenwise, simulate

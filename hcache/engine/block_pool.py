@@ -8,13 +8,12 @@ as one run where possible: a contiguous table is read as a view, not gathered.""
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
 
 import torch
 
 from hcache.model.attention import causal_attention, key_width
 from hcache.model.base import DecoderModel
-from hcache.model.cache import zeros_for_reads
+from hcache.model.cache import Lender, zeros_for_reads
 from hcache.model.decode import BLOCK_TOKENS, Paged
 from hcache.model.geometry import ModelConfig
 
@@ -96,7 +95,7 @@ class BlockPool:
             bisect.insort(self._free, b)
 
 
-class PagedCache:
+class PagedCache(Lender):
     """One sequence's KV in the pool. `length` tokens are committed in every layer."""
 
     def __init__(self, pool: BlockPool):
@@ -107,7 +106,6 @@ class PagedCache:
         self._pending = 0
         self._rows = torch.empty(0, dtype=torch.long, device=pool.device)  # token position -> pool row
         self._one: Paged | None = None  # a one-token forward's attention, for its layers
-        self._settle: Callable[[], None] | None = None  # waits out reads landing in lent rows
 
     @property
     def capacity(self) -> int:
@@ -179,15 +177,6 @@ class PagedCache:
         if not isinstance(rows, slice) or start + n > self.capacity or self.pool.device.type != "cpu":
             return None
         return self.pool.kv[layer][rows]
-
-    def hold(self, settle: Callable[[], None] | None) -> None:
-        self._settle = settle
-
-    def _let_go(self) -> None:
-        """Before blocks go back to the pool: no read may land in them afterwards."""
-        if self._settle is not None:
-            settle, self._settle = self._settle, None
-            settle()
 
     def layer_kv(self, layer: int, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.length if n is None else n

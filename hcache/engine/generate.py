@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import torch
 
 from hcache.engine.sampler import Sampler, SamplingParams
-from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
+from hcache.model.cache import KVCache
 from hcache.model.tokenizer import Tokenizer
 from hcache.restore.executor import RestoreReport, restore
 from hcache.restore.plan import Plan

@@ -3,8 +3,8 @@
 The model's layers only `attend`: store this forward's K/V and attend over everything
 held. A forward is framed by `begin` (reserve rows, and say where its tokens start) and
 `commit`. The restore executor also places rows directly (`write`, or `dest` views that
-kernels fill in place). The contiguous `KVCache` (model/attention.py), the engine's
-paged cache and its batch of paged caches implement it."""
+kernels fill in place). The contiguous `KVCache` here, the engine's paged cache and its
+batch of paged caches implement it."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from typing import Protocol
 import torch
 
 from hcache.memory import aligned_buffer
+from hcache.model.attention import causal_attention, decode_attention, key_width
+from hcache.model.geometry import ModelConfig
 
 
 class Cache(Protocol):
@@ -79,3 +81,116 @@ def zeros_for_reads(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     if device.type != "cpu" or not nbytes:
         return torch.zeros(shape, dtype=dtype, device=device)
     return torch.frombuffer(aligned_buffer(nbytes), dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
+class Lender:
+    """A cache's side of `KVRows.hold`: rows it lent may still be filling until `_let_go`."""
+
+    _settle: Callable[[], None] | None = None  # waits out reads landing in lent rows
+
+    def hold(self, settle: Callable[[], None] | None) -> None:
+        self._settle = settle
+
+    def _let_go(self) -> None:
+        """Before memory is let go or moved: no read may land in it afterwards."""
+        if self._settle is not None:
+            settle, self._settle = self._settle, None
+            settle()
+
+
+class KVCache(Lender):
+    """Per-layer K and V, token-major: `kv[layer]` `[capacity, 2, n_kv_heads, head_dim]` holds
+    each token's K row then its V row, as a stored chunk and the engine's pool hold them
+    (`k`, `v` are views); grown by doubling."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", capacity: int = 256):
+        capacity = key_width(capacity)
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.length = 0  # tokens committed in every layer
+        self._pending = 0  # tokens of the forward in progress
+        # a one-token forward's key rows and length (`decode_attention`), for its layers
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.kv = [self._empty(capacity) for _ in range(cfg.num_layers)]
+        self._views()
+
+    def _empty(self, n: int) -> torch.Tensor:
+        # zeros: a decode step reads (masked) rows past `length`, and 0 * NaN would leak through
+        return zeros_for_reads((n, 2, self.cfg.num_kv_heads, self.cfg.head_dim), self.dtype, self.device)
+
+    def _views(self) -> None:
+        self.k = [kv[:, 0] for kv in self.kv]
+        self.v = [kv[:, 1] for kv in self.kv]
+
+    @property
+    def capacity(self) -> int:
+        return self.kv[0].shape[0]
+
+    def reserve(self, n: int) -> None:
+        """Make room for `n` more tokens past `length`."""
+        need = self.length + n
+        if need <= self.capacity:
+            return
+        cap = key_width(max(need, 2 * self.capacity))
+        self._let_go()  # rows still landing (`landing`) are in before they move
+        for i, old in enumerate(self.kv):
+            new = self._empty(cap)
+            new[: old.shape[0]] = old  # every row: a restore lands rows before `length` moves
+            self.kv[i] = new
+        self._views()
+
+    def begin(self, n: int, start: int | None = None) -> None:
+        """Start a forward of `n` tokens at `start` (default: after the committed ones)."""
+        if start is not None:
+            self.length = start
+        self.reserve(n)
+        self._pending = n
+        self._rows = None
+
+    def commit(self) -> None:
+        self.length += self._pending
+        self._pending = 0
+        self._rows = None
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int | None = None) -> None:
+        s = self.length if start is None else start
+        self.k[layer][s : s + k.shape[0]] = k
+        self.v[layer][s : s + v.shape[0]] = v
+
+    def write_at(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer].index_copy_(0, positions, k.to(self.dtype))
+        self.v[layer].index_copy_(0, positions, v.to(self.dtype))
+
+    def dest(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer `layer`'s K and V rows for positions `start..start+n`, to be written in place."""
+        if start + n > self.capacity:  # a short view would be resized by out= kernels, not filled
+            raise ValueError(f"rows {start}..{start + n} past the cache's capacity {self.capacity}")
+        return self.k[layer][start : start + n], self.v[layer][start : start + n]
+
+    def landing(self, layer: int, start: int, n: int) -> torch.Tensor | None:
+        if start + n > self.capacity or self.device.type != "cpu":
+            return None
+        return self.kv[layer][start : start + n]
+
+    def layer_kv(self, layer: int, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.length if n is None else n
+        return self.k[layer][:n], self.v[layer][:n]
+
+    def truncate(self, n: int) -> None:
+        """Forget tokens past `n` (a causal cache's prefix stays valid)."""
+        self.length = min(self.length, n)
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+    ) -> torch.Tensor:
+        """q `[T, H, D]`, k/v `[T, KvH, D]` for the new tokens; returns `[T, H*D]`."""
+        t = q.shape[0]
+        self.write(layer, k, v)
+        if t == 1:
+            n = self.length + 1
+            if self._rows is None:
+                self._rows = torch.arange(key_width(n), device=q.device)[None], torch.tensor([n], device=q.device)
+            return decode_attention(q, self.k[layer], self.v[layer], *self._rows, scale)
+        keys, values = self.layer_kv(layer, self.length + t)
+        return causal_attention(q, keys, values, scale)

@@ -7,8 +7,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
+from hcache.model.cache import KVCache
 
 
 @torch.inference_mode()

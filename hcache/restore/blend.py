@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hcache.model.attention import KVCache, causal_attention, positional_attention
+from hcache.model.attention import causal_attention, positional_attention
 from hcache.model.base import DecoderModel
-from hcache.model.cache import KVRows
+from hcache.model.cache import KVCache, KVRows
 from hcache.restore.executor import RestoreJob
 from hcache.restore.plan import Plan
 from hcache.restore.state import StateSource

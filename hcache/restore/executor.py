@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
-from hcache.model.cache import KVRows
+from hcache.model.cache import KVCache, KVRows
 from hcache.restore.plan import Method, Plan
 from hcache.restore.projection import Projector
 from hcache.restore.state import StateSource, StateUnavailable

@@ -20,8 +20,8 @@ from rich.progress import Progress
 
 from hcache.config import StorageConfig
 from hcache.kernels.cpu import cpu
-from hcache.model.attention import KVCache
 from hcache.model.base import DecoderModel
+from hcache.model.cache import KVCache
 from hcache.restore.executor import recompute_prefix, restore
 from hcache.restore.plan import Method, Plan
 from hcache.restore.profile import Profile

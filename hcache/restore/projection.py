@@ -43,7 +43,7 @@ def warm_up(model: DecoderModel) -> None:
     compile for every length (no divisibility or duck-sized equality to guard on)."""
     from hcache.kernels import native
     from hcache.kernels.fused import MIN_ROWS
-    from hcache.model.attention import KVCache
+    from hcache.model.cache import KVCache
 
     if model.device.type == "cpu":
         native.attention_bf16()  # built here (seconds, once per machine), not in a turn

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hcache.model.attention import KVCache
+from hcache.model.cache import KVCache
 from hcache.storage.staging import StagedBatch
 from hcache.storage.store import ChunkStore
 

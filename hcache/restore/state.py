@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from hcache.model.attention import KVCache
+from hcache.model.cache import KVCache
 from hcache.model.geometry import ModelConfig
 from hcache.restore.plan import Plan
 

@@ -14,7 +14,7 @@ from engine_helpers import make_engine, reference, turn, word_tokenizer
 from hcache.engine.compose import Composition
 from hcache.engine.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from hcache.engine.sampler import SamplingParams
-from hcache.model.attention import KVCache
+from hcache.model.cache import KVCache
 from hcache.restore.plan import Method
 
 P = SamplingParams(max_new_tokens=6)
