@@ -71,9 +71,12 @@ struct Operands {
 };
 
 // rows r..r+P of the activations, both passes of each (rows i and m + i), against tiles
-// t0..t0+nt (nt <= NR): the two passes' sums meet as `y1 * s1 + y2 * s2` in registers
-template <int P, int NR>
-void micro(const Operands& o, int64_t r, int64_t t0, int nt) {
+// t0..t0+nt (nt <= NR): the two passes' sums meet as `y1 * s1 + y2 * s2` in registers.
+// WHOLE (nt == NR, every group but perhaps the last) makes the tile tests compile away: a
+// runtime nt left branches in the inner loop, around which gcc spilled accumulators.
+template <int P, int NR, bool WHOLE>
+void micro(const Operands& o, int64_t r, int64_t t0, int nt_) {
+  const int nt = WHOLE ? NR : nt_;
   constexpr int MR = 2 * P;
   int64_t row[MR];
   for (int p = 0; p < P; ++p) row[2 * p] = r + p, row[2 * p + 1] = o.m + r + p;
@@ -189,7 +192,13 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     const int nt = int(std::min<int64_t>(R, tiles - t * R));
     for (int64_t r = 0; r < m; r += P_MAX)
       hcache::with_rows<P_MAX>(int(std::min<int64_t>(P_MAX, m - r)),
-                               [&](auto p) { micro<decltype(p)::value, R>(o, r, t * R, nt); });
+                               [&](auto p) {
+                                 constexpr int P = decltype(p)::value;
+                                 if (nt == R)
+                                   micro<P, R, true>(o, r, t * R, nt);
+                                 else
+                                   micro<P, R, false>(o, r, t * R, nt);
+                               });
   };
   // a few rows are bound by reading the weights, which one tile at a time reads in order
   // (two interleaved tiles' streams read slower), in a fixed split: a tile is too little work
