@@ -3,6 +3,8 @@ no copy follows them, and nothing lands once the reader has settled."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from storage_helpers import GEOM, KINDS, dirs_in, expected, open_store, save
@@ -90,3 +92,26 @@ def test_nothing_lands_after_settle(dirs) -> None:
         assert not rows[(last, Kind.KV)].any()
         with pytest.raises(ChunkError, match="read dropped"):
             r.get(last)
+
+
+def test_a_slab_cut_short_fails_the_chunks_past_its_end_only(dirs) -> None:
+    """A slab file shorter than its slots (a lost tail, or a hand's `truncate`): the chunks
+    whose slots it no longer holds whole fail by name, never read as zeros, and every other
+    part still lands."""
+    with open_store(dirs) as st:
+        _stored(st)
+        kv = [r for r in st.manifest.chunks("s") if r.kind == Kind.KV.value]
+        cut = max(kv, key=lambda r: (r.dir, r.slab, r.slot))  # the last slot of a KV slab
+        same = [r for r in st.manifest.chunks("s") if (r.dir, r.slab) == (cut.dir, cut.slab)]
+        assert max(r.slot for r in same) == cut.slot  # nothing else lies past the cut
+        slot_bytes = st.placement.slab(cut.dir, cut.slab).slot_bytes
+        os.truncate(st.dirs[cut.dir] / f"{cut.slab}.slab", cut.slot * slot_bytes + slot_bytes // 2)
+        rows = _rows()
+        r = st.reader("s", wants=[Want(i, Kind.KV, 0, N) for i in KV_LAYERS], into=rows)
+        for i in KV_LAYERS:
+            if i == cut.layer:
+                with pytest.raises(ChunkError, match=f"chunk {cut.idx}.*beyond the end of its slab"):
+                    r.get(i)
+            else:
+                assert torch.equal(r.get(i), expected(i, Kind.KV, N))
+        r.settle()
