@@ -19,7 +19,7 @@ import hcache
 from hcache.model.loader import resolve_model_path
 
 TURN = 32
-REPEATS = 3  # rounds of each measure the two systems take turns in: medians (disks and VMs jitter)
+REPEATS = 5  # rounds of each measure the two systems take turns in: medians (disks and VMs jitter)
 
 
 def llama(n_ctx: int, threads: int, logits_all: bool = False, model: str = "default") -> Any:
@@ -78,6 +78,7 @@ def eviction_row(loads: list[float], turns: list[float]) -> dict[str, float]:
         "load_ms": statistics.median(loads),
         "turn_ms": statistics.median(turns),
         "ttft_after_eviction_ms": statistics.median(a + b for a, b in zip(loads, turns, strict=True)),
+        "ttft_rounds_ms": [a + b for a, b in zip(loads, turns, strict=True)],
     }
 
 

@@ -123,6 +123,7 @@ def hcache_rows(
                     loads.append(load_ms)
                     turns.append(turn_ms)
             row["ttft_after_eviction_ms"] = statistics.median(ttfts)
+            row["ttft_rounds_ms"] = ttfts
             rows.append(row)
             print(f"hcache {n}: {row}", flush=True)
             if peer:

@@ -61,6 +61,9 @@ def _targets(peers: dict, prefill_goal: float = 2.0) -> list[str]:
             + (f" ({turn / llama_turn:.2f}x of llama.cpp's turn alone)" if llama_turn else "")
             + ". A restore, however fast, only adds to it.",
         ]
+    if h.get("ttft_rounds_ms") and ll and ll.get("ttft_rounds_ms"):
+        pairs = zip(h["ttft_rounds_ms"], ll["ttft_rounds_ms"], strict=False)
+        out += ["", "TTFT rounds (hcache / llama.cpp, ms): " + ", ".join(f"{x:.0f} / {y:.0f}" for x, y in pairs) + "."]
     return out
 
 
