@@ -13,7 +13,7 @@ import torch
 
 from hcache.model.attention import causal_attention, key_width
 from hcache.model.base import DecoderModel
-from hcache.model.cache import Lender, zeros_for_reads
+from hcache.model.cache import Lender, landed, zeros_for_reads
 from hcache.model.decode import BLOCK_TOKENS, Paged
 from hcache.model.geometry import ModelConfig
 
@@ -25,11 +25,6 @@ def resident_kv_dtype(choice: str, model: DecoderModel) -> torch.dtype:
     if choice == "auto":
         return torch.bfloat16 if model.weights == "packed" else model.dtype
     return model.dtype if choice == "model" else getattr(torch, choice)
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Is `b` the very view `a` (same memory, shape and strides)?"""
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
 class OutOfBlocks(Exception):
@@ -149,8 +144,8 @@ class PagedCache(Lender):
         s = self.length if start is None else start
         rows = self._span(s, k.shape[0])
         if isinstance(rows, slice):
-            if _same(self.pool.k[layer][rows], k) and _same(self.pool.v[layer][rows], v):
-                return  # read straight into these rows (`landing`)
+            if landed(self.pool.k[layer][rows], k) and landed(self.pool.v[layer][rows], v):
+                return
             self.pool.k[layer][rows] = k
             self.pool.v[layer][rows] = v
         else:

@@ -83,6 +83,17 @@ def zeros_for_reads(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     return torch.frombuffer(aligned_buffer(nbytes), dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
+def landed(rows: torch.Tensor, src: torch.Tensor) -> bool:
+    """Is `src` the very view `rows` (same memory, shape, strides and dtype): K or V read
+    straight into a cache's rows (`KVRows.landing`), which a write then need not copy?"""
+    return (
+        rows.data_ptr() == src.data_ptr()
+        and rows.shape == src.shape
+        and rows.stride() == src.stride()
+        and rows.dtype == src.dtype
+    )
+
+
 class Lender:
     """A cache's side of `KVRows.hold`: rows it lent may still be filling until `_let_go`."""
 
@@ -155,8 +166,10 @@ class KVCache(Lender):
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int | None = None) -> None:
         s = self.length if start is None else start
-        self.k[layer][s : s + k.shape[0]] = k
-        self.v[layer][s : s + v.shape[0]] = v
+        kr, vr = self.k[layer][s : s + k.shape[0]], self.v[layer][s : s + v.shape[0]]
+        if not (landed(kr, k) and landed(vr, v)):
+            kr.copy_(k)
+            vr.copy_(v)
 
     def write_at(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer].index_copy_(0, positions, k.to(self.dtype))
