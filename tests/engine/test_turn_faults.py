@@ -15,7 +15,7 @@ import time
 import grpc
 import pytest
 from conftest import tload
-from engine_helpers import free_port, make_engine, profile_for, reference, turn, word_tokenizer
+from engine_helpers import SERVER_START_S, free_port, make_engine, profile_for, reference, turn, word_tokenizer
 
 from hcache.client import Client, wait_for_server
 from hcache.engine.errors import ResourceExhausted
@@ -143,10 +143,15 @@ class Server:
         cmd += ["--dirs", str(tmp_path / "d0"), str(tmp_path / "d1"), "--profile", str(profile)]
         cmd += ["--restore-method", method, "--kv-budget-mb", "512", "--weights", "float"]  # the reference's
         env = {**os.environ, "HCACHE_HOME": str(tmp_path / "home")}
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.log = tmp_path / f"server-{self.port}.log"
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
         self.target = f"127.0.0.1:{self.port}"
         try:
-            wait_for_server(self.target, alive=lambda: self.proc.poll() is None)
+            wait_for_server(self.target, SERVER_START_S, alive=lambda: self.proc.poll() is None)
+        except RuntimeError:
+            self.kill()
+            raise RuntimeError(f"server did not start:\n{self.log.read_text()}") from None
         except BaseException:
             self.kill()
             raise

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 from cluster_helpers import RedisCluster, redis_cluster  # noqa: F401 - a fixture
-from engine_helpers import free_port, profile_for
+from engine_helpers import SERVER_START_S, free_port, profile_for
 
 from hcache.client import Client, rendezvous, wait_for_server
 from hcache.cluster.catalogue import RedisCatalogue
@@ -119,7 +119,7 @@ def test_a_replica_killed_mid_turn_is_taken_over_exactly(default_model, redis_cl
     env = {**os.environ, "HCACHE_HOME": str(tmp_path / "home")}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_for_server(f"127.0.0.1:{port}", alive=lambda: proc.poll() is None)
+        wait_for_server(f"127.0.0.1:{port}", SERVER_START_S, alive=lambda: proc.poll() is None)
     except RuntimeError:
         proc.kill()
         raise RuntimeError(f"server did not start:\n{proc.communicate()[0]}") from None

@@ -11,7 +11,7 @@ import time
 
 import grpc
 import pytest
-from engine_helpers import free_port, profile_for
+from engine_helpers import SERVER_START_S, free_port, profile_for
 
 from hcache.client import Client, wait_for_server
 
@@ -29,7 +29,7 @@ def served(tmp_path, default_model):
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     target = f"127.0.0.1:{port}"
     try:
-        wait_for_server(target, alive=lambda: proc.poll() is None)
+        wait_for_server(target, SERVER_START_S, alive=lambda: proc.poll() is None)
     except RuntimeError:
         proc.kill()
         raise RuntimeError(f"server did not start:\n{proc.communicate()[0]}") from None
