@@ -7,7 +7,7 @@
 
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>

@@ -15,7 +15,8 @@
 // on its own, so a position's output depends neither on the threads nor on how a prompt
 // was cut into chunks (a turn and a one-pass prefill give the same bits).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -8,7 +8,8 @@
 // each item is one thread's, so a sequence's bits depend neither on the batch around it
 // (nor on how far it was padded) nor on the threads.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -11,7 +11,9 @@
 // float32 (both products exact), and the groups add in input order. A result depends neither
 // on the rows beside it, the threads, nor the blocking.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -10,7 +10,9 @@
 // output is `(sum(a * w) - zero * sum(w)) * scale`, the integer part exact, so the result
 // does not depend on the rows beside it, the threads, or the blocking.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
