@@ -57,8 +57,9 @@ def profile_path(cache_dir: Path, model: DecoderModel) -> Path:
     return cache_dir / f"{model.fingerprint()[:16]}-{dtype}-{device_name(model.device)}-v{PROFILE_VERSION}.json"
 
 
-def median_ms(fn: Callable[[], object], repeats: int = 5) -> float:
-    fn()  # warm-up
+def median_ms(fn: Callable[[], object], repeats: int = 5, warm: bool = True) -> float:
+    if warm:
+        fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -172,15 +173,17 @@ def _re_beside_reads(model: DecoderModel, st: ChunkStore, owner: str, fp: str, c
     k = max(1, L // 5)
     plan = Plan((Method.RECOMPUTE,) * k + (Method.HIDDEN,) * (L - k))
     tokens = st.owner_row(owner).tokens
+    # a long context's runs take seconds each: one, after a shorter one's warmed both paths
+    long = len(tokens) >= LONG_CONTEXT
     alone, beside = [], []
-    for i in range(3):  # the first warms both
+    for i in range(1 if long else 3):  # else the first warms both
         cache.truncate(0)
         t0 = time.perf_counter()
         with torch.inference_mode():
             recompute_prefix(model, tokens, cache, k)
         a = (time.perf_counter() - t0) * 1e3
         _, rep = restore(model, plan, StoreSource(st, owner, fp), cache)
-        if i:
+        if i or long:
             alone.append(a)
             beside.append(rep.ms_by_method[Method.RECOMPUTE.value])
     return max(1.0, statistics.median(beside) / statistics.median(alone))
@@ -235,18 +238,19 @@ def run(
         re_contexts = RE_CONTEXTS if dev.type == "cpu" else RE_CONTEXTS_GPU
     if reads_vs_compute is None:
         reads_vs_compute = dev.type != "cpu"
-    steps = len(dirs) + 1 + len(re_contexts)
+    alone = dirs if len(dirs) > 1 else []  # one directory's own rate is the all-directory one
+    steps = len(alone) + 1 + len(re_contexts)
     with Progress(disable=not show, transient=True) as bar:
         task = bar.add_task("profiling", total=steps)
         per_dir = []
-        for d in dirs:
+        for d in alone:
             bar.update(task, description=f"read bandwidth {d}")
             per_dir.append(_io(model, [d], io_tokens).read_gbps)
             bar.advance(task)
         bar.update(task, description="read bandwidth and restore compute, all directories")
-        bar.update(task, description="read bandwidth and restore compute, all directories")
         io = _io(model, dirs, io_tokens, compute=H_TOKENS)
         read_gbps, latency = io.read_gbps, io.latency_ms
+        per_dir = per_dir or [read_gbps]
         bar.advance(task)
 
         h_fixed, h_rate = affine(io.h_points)
@@ -268,7 +272,8 @@ def run(
                 cache.truncate(0)
                 model(ids, torch.arange(len(ids), device=dev), cache, num_layers=depth)
 
-            re_points[ctx] = median_ms(some_layers, repeats=1 if long else 3) / depth
+            # (a long one's buffers are the only thing its run would warm: seconds for a few faults)
+            re_points[ctx] = median_ms(some_layers, repeats=1 if long else 3, warm=not long) / depth
             bar.advance(task)
     prof = Profile(
         name=device_name(dev),
