@@ -34,6 +34,7 @@ def test_profile_measures_and_is_cached(tiny_folder, tmp_path) -> None:
     store.mkdir()
     prof = profiler.load_or_run(model, [store], tmp_path / "profiles")
     assert prof.read_gbps > 0 and prof.h_ms(1024) > 0 and prof.kv_ms(1024) > 0
+    assert prof.per_dir_gbps == [prof.read_gbps]  # one directory: measured once
     if model.device.type == "cpu":  # readers and compute share the cores only there
         assert prof.read_cpu_ms_per_mb > 0 and prof.mix_margin == profiler.CPU_MIX_MARGIN
     assert prof.h_ms(4096) >= prof.h_ms(1024)
@@ -73,14 +74,18 @@ def test_profile_measures_what_reads_take_from_compute(tiny_folder, tmp_path, mo
     assert 50 <= slow.read_setup_ms - plain.read_setup_ms <= 120
 
 
-def test_profile_measures_recompute_beside_reads(tiny_folder, tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("runs", ["three", "one at a long context"])
+def test_profile_measures_recompute_beside_reads(tiny_folder, tmp_path, monkeypatch, runs) -> None:
     """On a CPU the profile measures how much slower a recompute prefix runs inside a restore
-    that reads the other layers; a prefix slowed there by 40 ms per restore is seen."""
+    that reads the other layers; a prefix slowed there by 40 ms per restore is seen, also in
+    the single run a long context gets."""
     from hcache.restore.sources import StoreSource
 
     model = tload(tiny_folder("llama_gqa"))
     if model.device.type != "cpu":
         pytest.skip("measured on CPUs only")
+    if runs != "three":
+        monkeypatch.setattr(profiler, "LONG_CONTEXT", 256)
     plain = profiler._io(model, [tmp_path], 256, compute=(256,)).re_reading[256]
     slow_clock(monkeypatch, StoreSource, 0.04)
     slowed = profiler._io(model, [tmp_path], 256, compute=(256,)).re_reading[256]
