@@ -34,7 +34,7 @@ $(VENV)/.test: $(VENV)/.runtime
 	touch $@
 
 # The service: default model, default store ($$HCACHE_HOME/store), gRPC on 127.0.0.1:50051.
-# The first start profiles this machine for the restore planner (about a minute), then reuses it.
+# The first start profiles this machine for the restore planner (under a minute), then reuses it.
 serve: $(VENV)/.runtime
 	$(VENV)/bin/hcache serve $(ARGS)
 
