@@ -238,12 +238,12 @@ def run(
         re_contexts = RE_CONTEXTS if dev.type == "cpu" else RE_CONTEXTS_GPU
     if reads_vs_compute is None:
         reads_vs_compute = dev.type != "cpu"
-    alone = dirs if len(dirs) > 1 else []  # one directory's own rate is the all-directory one
-    steps = len(alone) + 1 + len(re_contexts)
+    singly = dirs if len(dirs) > 1 else []  # one directory's own rate is the all-directory one
+    steps = len(singly) + 1 + len(re_contexts)
     with Progress(disable=not show, transient=True) as bar:
         task = bar.add_task("profiling", total=steps)
         per_dir = []
-        for d in alone:
+        for d in singly:
             bar.update(task, description=f"read bandwidth {d}")
             per_dir.append(_io(model, [d], io_tokens).read_gbps)
             bar.advance(task)
@@ -272,7 +272,7 @@ def run(
                 cache.truncate(0)
                 model(ids, torch.arange(len(ids), device=dev), cache, num_layers=depth)
 
-            # (a long one's buffers are the only thing its run would warm: seconds for a few faults)
+            # no warm-up run for a long one: seconds, to fault in its buffers only
             re_points[ctx] = median_ms(some_layers, repeats=1 if long else 3, warm=not long) / depth
             bar.advance(task)
     prof = Profile(
