@@ -141,7 +141,7 @@ def _io(model: DecoderModel, dirs: list[Path], tokens: int, compute: tuple[int, 
         # one cache for every restore, as the engine's block pool is: a fresh one per restore
         # would pay its first-touch page faults inside the KV placement
         cache = KVCache(cfg, model.dtype, model.device, capacity=max(compute, default=1))
-        for n in compute:
+        for n in sorted(compute):  # shortest first: it warms what a long one runs once
             owner = "profile" if n == tokens else f"profile-{n}"  # the read owner serves its own length
             if n != tokens:
                 st.create_owner(owner, both, fp)
