@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hcache.storage.errors import ChunkError
-from hcache.storage.layout import CHUNK_TOKENS, Kind, num_chunks
+from hcache.storage.layout import CHUNK_TOKENS, Kind, Stored, num_chunks
 from hcache.storage.manifest import ChunkRow
 
 Target = memoryview | tuple[int, int]  # bytes to read into, or (offset, length) in the bounce buffer
@@ -38,6 +38,14 @@ class Want:
     kind: Kind
     lo: int
     hi: int
+
+
+def stored_wants(kinds: list[Stored], layers: list[int] | None, n: int) -> list[Want]:
+    """Tokens `0:n` of every kind `layers` store (default: every layer that stores one)."""
+    chosen = layers if layers is not None else [i for i, ks in enumerate(kinds) if ks]
+    if any(not kinds[i] for i in chosen):
+        raise ValueError("asked for a layer that stores nothing (it is restored by recompute)")
+    return [Want(i, k, 0, n) for i in chosen for k in sorted(kinds[i])]
 
 
 _SLOT, _LAYER, _IDX, _DIR, _SLAB = map(operator.attrgetter, ("slot", "layer", "idx", "dir", "slab"))

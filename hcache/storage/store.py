@@ -42,6 +42,7 @@ from hcache.storage.packer import FlushTail, Forget, Packer
 from hcache.storage.placement import Placement
 from hcache.storage.prefixes import prefix_hashes
 from hcache.storage.reader import OwnerReader, ReadParts, Want, read_chunk
+from hcache.storage.readplan import stored_wants
 from hcache.storage.readpool import ReadPool
 from hcache.storage.staging import Segment, StagedBatch, StagingRing
 from hcache.storage.stats import DirUsage, StoreStats
@@ -345,11 +346,7 @@ class ChunkStore:
         durable tokens; `into` is where wants land in the caller's memory (`OwnerReader`)."""
         row = self.owner_row(owner)
         if wants is None:
-            kinds = self.layer_kinds(row)
-            chosen = layers if layers is not None else [i for i, ks in enumerate(kinds) if ks]
-            if any(not kinds[i] for i in chosen):
-                raise ValueError("asked for a layer that stores nothing (it is restored by recompute)")
-            wants = [Want(i, k, 0, row.num_tokens) for i in chosen for k in sorted(kinds[i])]
+            wants = stored_wants(self.layer_kinds(row), layers, row.num_tokens)
         elif any(w.hi > row.num_tokens for w in wants):
             raise ValueError(f"owner {owner} has {row.num_tokens} durable tokens")
         index = self.placement.chunk_index(owner)
