@@ -79,7 +79,7 @@ inline void prefetch_row(const at::BFloat16* k, const at::BFloat16* v, int64_t d
 
 #ifndef __AVX512BF16__
 // o[4][NE vectors] = o * alpha + P V over `nk2` keys (an even count), the pair's odd key
-// first as `vdpbf16ps` adds it; `p` [keys][rows] with row stride `ps`, `vf` [keys][128].
+// first as `vdpbf16ps` adds it; `p` [keys][rows] with row stride `ps`, `vf` [keys][D].
 template <int NE>
 inline void pv_tile(float* o, int64_t d, const float* al, const float* p, int64_t ps, const float* vf, int64_t nk2) {
   __m512 acc[4][NE];
@@ -88,7 +88,7 @@ inline void pv_tile(float* o, int64_t d, const float* al, const float* p, int64_
   for (int64_t j = 0; j < nk2; j += 2) {
     for (int64_t key = j + 1; key >= j; --key) {
       __m512 vx[NE];
-      for (int b = 0; b < NE; ++b) vx[b] = _mm512_load_ps(vf + key * 128 + 16 * b);
+      for (int b = 0; b < NE; ++b) vx[b] = _mm512_load_ps(vf + key * d + 16 * b);
       for (int a = 0; a < 4; ++a) {
         const __m512 pb = _mm512_set1_ps(p[key * ps + a]);
         for (int b = 0; b < NE; ++b) acc[a][b] = _mm512_fmadd_ps(pb, vx[b], acc[a][b]);
@@ -125,7 +125,8 @@ void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const a
 #else
   alignas(64) float qo[64][R], qe[64][R];  // q's odd and even elements along D: [D/2][rows]
   alignas(64) float pf[TILE][R];         // P rounded to bfloat16: [keys][rows]
-  alignas(64) float vf[TILE][128];       // V widened: [keys][D]
+  // V widened: [keys][D], rows D apart (at 128 apart, a D of 64 left half of L1's sets unused)
+  alignas(64) float vf[TILE * 128];
 #endif
   alignas(64) int32_t tok[R];           // each row's new token: it sees keys up to prefix + tok
   for (int64_t r = 0; r < R; ++r) {
@@ -262,7 +263,7 @@ void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const a
       const at::BFloat16* a = vh + std::min(kt + j, k1 - 1) * sh.vs0;
       for (int64_t e = 0; e < d; e += 16) {
         const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + e)));
-        _mm512_store_ps(&vf[j][e], _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
+        _mm512_store_ps(&vf[j * d + e], _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
       }
     }
 #endif
@@ -293,11 +294,11 @@ void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const a
 #else
     for (int64_t r = 0; r < R; r += 4) {
       int64_t e = 0;
-      for (; e + 4 <= dv; e += 4) pv_tile<4>(o + r * d + 16 * e, d, &al[r], &pf[0][r], R, &vf[0][16 * e], nk2);
+      for (; e + 4 <= dv; e += 4) pv_tile<4>(o + r * d + 16 * e, d, &al[r], &pf[0][r], R, &vf[16 * e], nk2);
       switch (dv - e) {
-        case 3: pv_tile<3>(o + r * d + 16 * e, d, &al[r], &pf[0][r], R, &vf[0][16 * e], nk2); break;
-        case 2: pv_tile<2>(o + r * d + 16 * e, d, &al[r], &pf[0][r], R, &vf[0][16 * e], nk2); break;
-        case 1: pv_tile<1>(o + r * d + 16 * e, d, &al[r], &pf[0][r], R, &vf[0][16 * e], nk2); break;
+        case 3: pv_tile<3>(o + r * d + 16 * e, d, &al[r], &pf[0][r], R, &vf[16 * e], nk2); break;
+        case 2: pv_tile<2>(o + r * d + 16 * e, d, &al[r], &pf[0][r], R, &vf[16 * e], nk2); break;
+        case 1: pv_tile<1>(o + r * d + 16 * e, d, &al[r], &pf[0][r], R, &vf[16 * e], nk2); break;
         default: break;
       }
     }
