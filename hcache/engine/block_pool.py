@@ -205,12 +205,12 @@ class PagedCache(Lender):
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
     ) -> torch.Tensor:
-        if q.shape[0] == 1:  # as a decode step attends (`decode_attention`), set up once per forward
+        if k.shape[0] == 1:  # as a decode step attends (`decode_attention`), set up once per forward
             if self._one is None:
                 self._one = _decode_step([self])
             return self._one.attend(layer, q, k, v, scale)
         self.write(layer, k, v)
-        keys, values = self.layer_kv(layer, self.length + q.shape[0])
+        keys, values = self.layer_kv(layer, self.length + k.shape[0])
         return causal_attention(q, keys, values, scale)
 
 

@@ -39,7 +39,10 @@ def generate(
         if pos + len(ids) > model.cfg.max_position:
             raise ValueError(f"context of {pos + len(ids)} tokens exceeds the model's {model.cfg.max_position}")
         slot = state.hidden_slot(len(ids)) if state is not None else None
-        h = model(torch.tensor(ids, device=dev), torch.arange(pos, pos + len(ids), device=dev), cache, hidden_out=slot)
+        alone = model.last_row_alone(len(ids), cache.dtype)
+        h = model(
+            torch.tensor(ids, device=dev), torch.arange(pos, pos + len(ids), device=dev), cache, slot, last_only=alone
+        )
         if state is not None:
             state.append(ids, cache)
         token = sampler(model.logits(h[-1]))

@@ -118,13 +118,14 @@ class PrefillJob:
             h = m.embed(torch.tensor(self.new[lo:hi], device=m.device), positions)
             pos = m.pos_context(positions)
             slots = self.saver.begin(start, hi - lo) if self.saver else None
+            alone = hi == len(self.new) and m.last_row_alone(hi - lo, self.cache.dtype)
             for layer in range(cfg.num_layers):
                 if restoring:
                     yield from self._restored(layer)
                 self.cache.begin(hi - lo, start=start)
                 if slots is not None and layer in slots:
                     slots[layer].copy_(h)
-                h = m.layers[layer](h, pos, self.cache, layer)
+                h = m.layers[layer](h, pos, self.cache, layer, last_only=alone and layer == cfg.num_layers - 1)
                 if self.saver:
                     self.saver.after_layer(layer, self.cache, start, hi - lo)
                 yield True

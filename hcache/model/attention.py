@@ -222,6 +222,18 @@ def _ungrouped(out: torch.Tensor, t: int) -> torch.Tensor:
     return out.view(kvh, -1, t, d).permute(2, 0, 1, 3).reshape(t, -1)
 
 
+def rows_alone(kv_dtype: torch.dtype, head_dim: int) -> bool:
+    """Does `causal_attention` on a CPU over keys of `kv_dtype` run our kernel, which computes
+    every query row on its own (a block's last row alone gets the bits it gets in the block)?"""
+    return (
+        _PATH == "native"
+        and kv_dtype == torch.bfloat16
+        and head_dim % 16 == 0
+        and head_dim <= 128
+        and native.attention_bf16() is not None
+    )
+
+
 def _causal_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float | None) -> torch.Tensor:
     """Flash attention. A float32 cache: one pass over every key, masked past each row's
     position. Otherwise, without a T x S mask: the new block attends to the prefix unmasked
@@ -231,10 +243,11 @@ def _causal_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, 
     `_matmul_attention` past `MATMUL_MIN_KEYS`, else float32 copies), torch's flash kernel,
     or float32 copies."""
     t, kvh = q.shape[0], k.shape[1]
-    if t > 1 and _PATH == "native" and k.dtype == torch.bfloat16 and (op := native.attention_bf16()) is not None:
+    if rows_alone(k.dtype, q.shape[2]) and q.stride(2) == k.stride(2) == v.stride(2) == 1:
+        op = native.attention_bf16()
+        assert op is not None
         d = q.shape[2]
-        if d % 16 == 0 and d <= 128 and q.stride(2) == k.stride(2) == v.stride(2) == 1:
-            return op(q, k, v, d**-0.5 if scale is None else scale)
+        return op(q, k, v, d**-0.5 if scale is None else scale)
     if k.dtype == torch.bfloat16 and (_PATH == "float32" or (_PATH == "native" and not _BF16_GEMMS)):
         return widened_attention(q, k, v, prefix, scale)
     kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)

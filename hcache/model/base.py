@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hcache.kernels.fused import MIN_ROWS
+from hcache.model.attention import rows_alone
 from hcache.model.cache import Cache
 from hcache.model.geometry import ModelConfig
 from hcache.model.quant import Int4Linear, Int8Linear
@@ -24,7 +26,9 @@ KVOut = tuple[torch.Tensor, torch.Tensor] | None
 
 class DecoderLayer(nn.Module, ABC):
     @abstractmethod
-    def forward(self, h: torch.Tensor, pos: Any, cache: Cache, index: int) -> torch.Tensor: ...
+    def forward(self, h: torch.Tensor, pos: Any, cache: Cache, index: int, last_only: bool = False) -> torch.Tensor:
+        """`h` `[T, hidden]` -> `[T, hidden]`, the rows' K/V into `cache`. With `last_only`, every
+        row's K/V still, but the rest for the last row alone: `[1, hidden]` (`last_row_alone`)."""
 
     @abstractmethod
     def kv_from_hidden(self, h: torch.Tensor, pos: Any, out: KVOut = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,6 +83,19 @@ class DecoderModel(nn.Module, ABC):
     def device(self) -> torch.device:
         return self._float_param().device
 
+    def last_row_alone(self, t: int, kv_dtype: torch.dtype) -> bool:
+        """May a forward of `t` new rows whose last row alone is wanted run its last layer past
+        the K/V for that row only (`DecoderLayer.forward`'s `last_only`)? Where it gets the
+        bits it gets beside the other rows: our attention kernel, which computes each row on
+        its own, packed weights whose kernels do too (a float GEMM may block a row's sum
+        by the rows beside it), and eager norms (fewer than `MIN_ROWS` rows; the compiled
+        ones round otherwise). A turn's last layer then skips all but one row's attention
+        and MLP."""
+        if not (1 < t < MIN_ROWS and self.device.type == "cpu" and rows_alone(kv_dtype, self.cfg.head_dim)):
+            return False
+        linears = [m for m in self.layers[-1].modules() if isinstance(m, (nn.Linear, Int4Linear, Int8Linear))]
+        return all(isinstance(m, Int8Linear) or (isinstance(m, Int4Linear) and m.tiles is not None) for m in linears)
+
     def _float_param(self) -> torch.Tensor:
         ref = self.__dict__.get("_ref")
         if ref is None:
@@ -98,12 +115,15 @@ class DecoderModel(nn.Module, ABC):
         cache: Cache,
         hidden_out: torch.Tensor | dict[int, torch.Tensor] | None = None,
         num_layers: int | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """Run `tokens` `[T]` at `positions` `[T]`, appending their K/V to `cache`.
 
         hidden_out: `[L, T, hidden]` or {layer: `[T, hidden]`}; layer l's input is copied to `hidden_out[l]`
             (a staging-ring slot: the one copy per layer of the save path).
         num_layers: run only layers 0..n-1 (recompute a prefix) and return layer n's input.
+        last_only: the last layer runs past its K/V for the last row alone, the only row
+            returned (where the caller found `last_row_alone`).
         Returns the final normalised hidden states `[T, hidden]` (or layer n's input)."""
         n = self.cfg.num_layers if num_layers is None else num_layers
         cache.begin(tokens.shape[0])
@@ -113,7 +133,7 @@ class DecoderModel(nn.Module, ABC):
             dst = _slot(hidden_out, i)
             if dst is not None:
                 dst.copy_(h)
-            h = self.layers[i](h, pos, cache, i)
+            h = self.layers[i](h, pos, cache, i, last_only=last_only and i == self.cfg.num_layers - 1)
         cache.commit()
         return self.head_norm(h) if n == self.cfg.num_layers else h
 

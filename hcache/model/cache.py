@@ -31,7 +31,9 @@ class Cache(Protocol):
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
     ) -> torch.Tensor:
-        """Store `k`, `v` `[T, KvH, D]` at the forward's rows; `q` `[T, H, D]` attends causally; `[T, H*D]`."""
+        """Store `k`, `v` `[T, KvH, D]` at the forward's rows; `q` `[T, H, D]` attends causally; `[T, H*D]`.
+        The contiguous and paged caches also take q for only the last Tq of the T rows
+        (`DecoderLayer.forward`'s `last_only`), and return `[Tq, H*D]`."""
         ...
 
 
@@ -197,8 +199,8 @@ class KVCache(Lender):
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
     ) -> torch.Tensor:
-        """q `[T, H, D]`, k/v `[T, KvH, D]` for the new tokens; returns `[T, H*D]`."""
-        t = q.shape[0]
+        """k/v `[T, KvH, D]` for the new tokens, q `[Tq, H, D]` for the last Tq of them; returns `[Tq, H*D]`."""
+        t = k.shape[0]
         self.write(layer, k, v)
         if t == 1:
             n = self.length + 1

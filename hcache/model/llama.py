@@ -73,7 +73,7 @@ class LlamaLayer(DecoderLayer):
         k = apply_rope(self.wk(x).view(t, self.n_kv, self.hd), *pos, out=k_out)
         return k, linear_into(x, self.wv, v_out).view(t, self.n_kv, self.hd)
 
-    def forward(self, h: torch.Tensor, pos: CosSin, cache: Cache, index: int) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, pos: CosSin, cache: Cache, index: int, last_only: bool = False) -> torch.Tensor:
         x = self.attn_norm(h)
         t = x.shape[0]
         if self.wqkv is None:
@@ -84,6 +84,8 @@ class LlamaLayer(DecoderLayer):
             k, v = kv.unflatten(-1, (2, self.n_kv, self.hd)).unbind(1)
             k = apply_rope(k, *pos)
         q = apply_rope(q.view(t, self.n_heads, self.hd), *pos)
+        if last_only:
+            q, h = q[-1:], h[-1:]
         h = h + self.wo(cache.attend(index, q, k, v))
         x = self.ffn_norm(h)
         if self.w_gu is None:

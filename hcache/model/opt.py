@@ -33,10 +33,12 @@ class OPTLayer(DecoderLayer):
         k, v = linear_into(x, self.wk, k_out), linear_into(x, self.wv, v_out)
         return k.view(t, self.n_heads, self.hd), v.view(t, self.n_heads, self.hd)
 
-    def forward(self, h: torch.Tensor, pos: None, cache: Cache, index: int) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, pos: None, cache: Cache, index: int, last_only: bool = False) -> torch.Tensor:
         x = self.attn_norm(h) if self.pre_norm else h
         q = self.wq(x).view(x.shape[0], self.n_heads, self.hd)
         k, v = self._kv(x)
+        if last_only:
+            q, h = q[-1:], h[-1:]
         h = h + self.wo(cache.attend(index, q, k, v))
         if not self.pre_norm:
             h = self.attn_norm(h)
