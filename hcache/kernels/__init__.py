@@ -1,6 +1,8 @@
 """Hot ops of the restore paths."""
 
+import hashlib
 import os
+from pathlib import Path
 
 import torch
 
@@ -12,15 +14,18 @@ __all__ = ["COMPILE"]
 
 def _pin_compile_cache() -> None:
     """Inductor's artefacts under $HCACHE_HOME (kept with the store across restarts, where
-    a container's /tmp is not), a folder per torch version and CPU kind: inductor's cache
-    keys name no ISA, and a kernel generated for AVX-512 but built for AVX2 computes
-    garbage. A TORCHINDUCTOR_CACHE_DIR the user set is kept."""
+    a container's /tmp is not), a folder per torch version, CPU kind and version of our
+    kernels' sources: inductor's cache keys name no ISA (a kernel generated for AVX-512 but
+    built for AVX2 computes garbage), nor our ops' schemas (a graph cached before an op
+    gained an argument crashes calling it). A TORCHINDUCTOR_CACHE_DIR the user set is kept."""
     if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
         return
     from hcache.kernels.cpu import cpu
 
     c = cpu()
-    folder = f"torch-{torch.__version__}-{c.kind}-{c.aten.lower()}"
+    here = Path(__file__).parent
+    ours = hashlib.sha256(b"".join(f.read_bytes() for f in sorted([*here.glob("*.cpp"), *here.glob("*.h")])))
+    folder = f"torch-{torch.__version__}-{c.kind}-{c.aten.lower()}-{ours.hexdigest()[:12]}"
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(hcache_home() / "compiled" / folder)
 
 
