@@ -21,10 +21,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "act_quant.h"
 #include "steal.h"
+#include "vec_math.h"
 
 namespace {
 
@@ -150,12 +152,23 @@ at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& c
   return out;
 }
 
+// x * sigmoid(x) = x / (1 + 2**(-x * log2(e))): 0 where the power overflows to infinity
+inline __m512 silu(__m512 x) {
+  const __m512 e = hcache::exp2_ps(_mm512_mul_ps(x, _mm512_set1_ps(-1.4426950408889634f)));
+  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+}
+
+// What a tile's combined rows become: written as they are, plus a bias, or (`GLU`: each
+// tile's lanes 0-7 the gate rows and 8-15 the up rows of 8 outputs, `quant.glu_rows`) those 8
+// outputs' `silu(gate) * up`, 8 floats at column 8 * tile
+enum class Epilogue { PLAIN, BIAS, GLU };
+
 // rows r..r+P of the activations, both passes of each (rows i and m + i of `a`), against
 // tiles t0..t0+nt (nt <= NR): each pass's output as `int8_mm` rounds it, then the two meet
-// as `y1 * s1 + y2 * s2` in registers, so only the combined rows are written
-template <int P>
+// as `y1 * s1 + y2 * s2` in registers, so only the combined rows are written (`E`)
+template <int P, Epilogue E>
 void micro_passes(const uint8_t* a, int64_t m, int64_t k, const int8_t* w, int64_t r, int64_t t0, int nt, int64_t n,
-                  const int32_t* comp, const uint16_t* scale, const float* ascale, float* out) {
+                  const int32_t* comp, const uint16_t* scale, const float* ascale, const float* bias, float* out) {
   const uint8_t* rows[2 * P];
   for (int p = 0; p < P; ++p) rows[2 * p] = a + (r + p) * k, rows[2 * p + 1] = a + (m + r + p) * k;
   __m512i acc[2 * P][NR];
@@ -163,20 +176,30 @@ void micro_passes(const uint8_t* a, int64_t m, int64_t k, const int8_t* w, int64
   for (int j = 0; j < nt; ++j) {
     const int64_t r0 = (t0 + j) * LANES;
     const TileOut y(r0, n, comp, scale, 128);
+    const __m512 b = E == Epilogue::BIAS ? _mm512_maskz_loadu_ps(y.mask, bias + r0) : _mm512_setzero_ps();
     for (int p = 0; p < P; ++p) {
       // two products and one sum, as the Python computes them (no fused multiply-add)
-      const __m512 f = _mm512_add_ps(_mm512_mul_ps(y(acc[2 * p][j]), _mm512_set1_ps(ascale[r + p])),
-                                     _mm512_mul_ps(y(acc[2 * p + 1][j]), _mm512_set1_ps(ascale[m + r + p])));
-      _mm512_mask_storeu_ps(out + (r + p) * n + r0, y.mask, f);
+      __m512 f = _mm512_add_ps(_mm512_mul_ps(y(acc[2 * p][j]), _mm512_set1_ps(ascale[r + p])),
+                               _mm512_mul_ps(y(acc[2 * p + 1][j]), _mm512_set1_ps(ascale[m + r + p])));
+      if constexpr (E == Epilogue::GLU) {
+        const __m512 up = _mm512_shuffle_f32x4(f, f, 0xEE);  // lanes 8-15 into 0-7
+        _mm512_mask_storeu_ps(out + (r + p) * (n / 2) + r0 / 2, __mmask16(0xFF), _mm512_mul_ps(silu(f), up));
+      } else {
+        if constexpr (E == Epilogue::BIAS) f = _mm512_add_ps(f, b);
+        _mm512_mask_storeu_ps(out + (r + p) * n + r0, y.mask, f);
+      }
     }
   }
 }
 
-// `x @ w.T` for float32 or bfloat16 x [M, K]: each row quantized on its own to two int8
-// passes (act_quant.h) around the zero point 128, each pass summed as `int8_mm` sums it, and
-// the two results meet as `y1 * s1 + y2 * s2`: the bits of `quant.int8_rows_mm` around
-// `int8_mm`, with only the combined rows written out
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& comp, const at::Tensor& scale) {
+// `x @ w.T (+ bias)` for float32 or bfloat16 x [M, K]: each row quantized on its own to two
+// int8 passes (act_quant.h) around the zero point 128, each pass summed as `int8_mm` sums it,
+// and the two results meet as `y1 * s1 + y2 * s2`: the bits of `quant.int8_rows_mm` around
+// `int8_mm`, with only the combined rows written out (then `+ bias`, float32 [N], as torch
+// adds it). With `glu`, w's rows are `quant.glu_rows` of a gate and an up matrix: [M, N / 2] of
+// `silu(x @ gate.T) * (x @ up.T)`
+at::Tensor passes(const at::Tensor& x, const at::Tensor& w, const at::Tensor& comp, const at::Tensor& scale,
+                  const std::optional<at::Tensor>& bias, bool glu) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "int8_linear: float32 or bfloat16 [M, K] activations");
   TORCH_CHECK(w.dim() == 4 && w.size(2) == LANES && w.size(3) == 4 && w.scalar_type() == at::kChar && w.is_contiguous(),
@@ -187,23 +210,43 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
               "int8_linear: contiguous int32 sums and bfloat16 scales");
   const int64_t m = x.size(0), k = x.size(1), n = scale.size(0), tiles = w.size(0);
   TORCH_CHECK((n + LANES - 1) / LANES == tiles && comp.size(0) == n, "int8_linear: N differs");
+  TORCH_CHECK(!glu || n % LANES == 0, "int8_glu: gate and up rows of a multiple of 8 each");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n),
+              "int8_linear: a contiguous float32 bias of N");
   const at::Tensor xc = x.contiguous();
   at::Tensor a = at::empty({2 * m, k}, xc.options().dtype(at::kByte));
   std::vector<float> scales(2 * m);
   // + 128 as a byte: the unsigned form around the zero point
   hcache::quantize_rows(xc, reinterpret_cast<int8_t*>(a.data_ptr<uint8_t>()), scales.data(), int8_t(-128));
-  at::Tensor out = at::empty({m, n}, xc.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({m, glu ? n / 2 : n}, xc.options().dtype(at::kFloat));
   const uint8_t* ap = a.data_ptr<uint8_t>();
   const int8_t* wp = w.data_ptr<int8_t>();
   const int32_t* cp = comp.data_ptr<int32_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   constexpr int P_MAX = MR_MAX / 2;
   const int64_t block = std::max<int64_t>(P_MAX, (ACT_BLOCK / (2 * k)) / P_MAX * P_MAX);  // both passes in L2
   over_tiles<P_MAX>(m, tiles, block, [&](auto rows, int64_t r, int64_t t0, int nt) {
-    micro_passes<decltype(rows)::value>(ap, m, k, wp, r, t0, nt, n, cp, sp, scales.data(), op);
+    constexpr int P = decltype(rows)::value;
+    const float* as = scales.data();
+    if (glu)
+      micro_passes<P, Epilogue::GLU>(ap, m, k, wp, r, t0, nt, n, cp, sp, as, bp, op);
+    else if (bp != nullptr)
+      micro_passes<P, Epilogue::BIAS>(ap, m, k, wp, r, t0, nt, n, cp, sp, as, bp, op);
+    else
+      micro_passes<P, Epilogue::PLAIN>(ap, m, k, wp, r, t0, nt, n, cp, sp, as, bp, op);
   });
   return out;
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& comp, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& bias) {
+  return passes(x, w, comp, scale, bias, false);
+}
+
+at::Tensor int8_glu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& comp, const at::Tensor& scale) {
+  return passes(x, w, comp, scale, std::nullopt, true);
 }
 
 }  // namespace
@@ -211,13 +254,15 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 TORCH_LIBRARY(hcache_int8, lib) {
   lib.def("pack(Tensor w) -> (Tensor, Tensor)");
   lib.def("int8_mm(Tensor a, Tensor w, Tensor comp, Tensor scale, int zero) -> Tensor");
-  lib.def("int8_linear(Tensor x, Tensor w, Tensor comp, Tensor scale) -> Tensor");
+  lib.def("int8_linear(Tensor x, Tensor w, Tensor comp, Tensor scale, Tensor? bias=None) -> Tensor");
+  lib.def("int8_glu(Tensor x, Tensor w, Tensor comp, Tensor scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hcache_int8, CPU, lib) {
   lib.impl("pack", &pack);
   lib.impl("int8_mm", &int8_mm);
   lib.impl("int8_linear", &int8_linear);
+  lib.impl("int8_glu", &int8_glu);
 }
 
 // shapes only, for tracing: symbolic, so a compiled graph serves every row count
@@ -225,7 +270,11 @@ TORCH_LIBRARY_IMPL(hcache_int8, Meta, lib) {
   lib.impl("int8_mm", [](const at::Tensor& a, const at::Tensor&, const at::Tensor&, const at::Tensor& scale, int64_t) {
     return at::empty_symint({a.sym_size(0), scale.sym_size(0)}, a.options().dtype(at::kFloat));
   });
-  lib.impl("int8_linear", [](const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor& scale) {
+  lib.impl("int8_linear", [](const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor& scale,
+                             const std::optional<at::Tensor>&) {
     return at::empty_symint({x.sym_size(0), scale.sym_size(0)}, x.options().dtype(at::kFloat));
+  });
+  lib.impl("int8_glu", [](const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor& scale) {
+    return at::empty_symint({x.sym_size(0), scale.sym_size(0) / 2}, x.options().dtype(at::kFloat));
   });
 }

@@ -12,7 +12,7 @@ from hcache.model.base import DecoderLayer, DecoderModel, KVOut
 from hcache.model.cache import Cache
 from hcache.model.geometry import ModelConfig
 from hcache.model.layers import RMSNorm, Rope, apply_rope, linear_into
-from hcache.model.quant import Int4Linear, Int8Linear
+from hcache.model.quant import Int4Linear, Int8Glu, Int8Linear
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -43,23 +43,33 @@ class LlamaLayer(DecoderLayer):
         self.w_gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.w_up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        # packed weights, fused (`fuse`): Q, K, V as one matrix, K and V its row view, gate and up
+        # packed weights, fused (`fuse`): Q, K, V as one matrix, K and V its row view, gate and
+        # up as one matrix, or as one that applies the activation too (int8 rows: `Int8Glu`)
         self.wqkv: nn.Module | None = None
         self.wkv: nn.Module | None = None
         self.w_gu: nn.Module | None = None
+        self.w_glu: nn.Module | None = None
 
     def fuse(self) -> None:
         """Q, K and V as one packed matrix and gate and up as another: one kernel call each where
         there were five, which matters most at a decode step's few rows (the kernel's per-call
         cost, and its split of a small N over the threads). The kernel computes each output
         column alone, so the results are the separate calls' bits. The H restore projects K
-        and V alone through `wkv`, rows of the same packed weights. Each pair stays separate
+        and V alone through `wkv`, rows of the same packed weights. Int8 gate and up rows
+        become an `Int8Glu`, which applies the activation too: its kernel's silu, so other
+        bits than the separate calls', but the same on every path. Each pair stays separate
         where the packing does not concatenate (`fused`)."""
         qkv = fused((self.wq, self.wk, self.wv))
         if qkv is not None:
             self.wqkv, self.wkv = qkv, qkv.rows(self.wq.out_features, qkv.out_features)
             del self.wq, self.wk, self.wv
-        gu = fused((self.w_gate, self.w_up))
+        pair = (self.w_gate, self.w_up)
+        glu = Int8Glu.of(*pair) if all(isinstance(m, Int8Linear) for m in pair) else None  # type: ignore[arg-type]
+        if glu is not None:
+            self.w_glu = glu
+            del self.w_gate, self.w_up
+            return
+        gu = fused(pair)
         if gu is not None:
             self.w_gu = gu
             del self.w_gate, self.w_up
@@ -88,6 +98,8 @@ class LlamaLayer(DecoderLayer):
             q, h = q[-1:], h[-1:]
         h = h + self.wo(cache.attend(index, q, k, v))
         x = self.ffn_norm(h)
+        if self.w_glu is not None:
+            return h + self.w_down(self.w_glu(x))
         if self.w_gu is None:
             return h + self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
         gate, up = self.w_gu(x).chunk(2, dim=-1)

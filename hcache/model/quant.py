@@ -23,6 +23,7 @@ import functools
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hcache.kernels import native
@@ -215,18 +216,51 @@ class Int8Linear(_Bf16Scales):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias
         if self.tiles is not None:  # the two passes of `int8_rows_mm`, inside the op
             flat = x.reshape(-1, self.in_features)
-            y = torch.ops.hcache_int8.int8_linear(flat, self.tiles, self.sums, self.scales).to(x.dtype)
+            # a float32 bias is added there too, as torch adds it (other dtypes round y first)
+            inside, bias = (bias, None) if bias is not None and x.dtype == torch.float32 else (None, bias)
+            y = torch.ops.hcache_int8.int8_linear(flat, self.tiles, self.sums, self.scales, inside).to(x.dtype)
         elif self._handle is not None:
             mm = functools.partial(onednn_int8_mm, handle=self._handle)
             y = int8_rows_mm(x.reshape(-1, self.in_features), mm, self._bits).to(x.dtype)
         else:
             flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
             y = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
+        if bias is not None:
+            y = y + bias
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def glu_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Gate and up rows `[N, ...]` interleaved eight at a time: gate 0-7, up 0-7, gate 8-15..."""
+    n = gate.shape[0]
+    return torch.stack((gate.view(n // 8, 8, *gate.shape[1:]), up.view(n // 8, 8, *up.shape[1:])), 1).flatten(0, 2)
+
+
+class Int8Glu(Int8Linear):
+    """`silu(x @ gate.T) * (x @ up.T)`, SwiGLU's first half, as one int8 matrix of the two's
+    rows (`glu_rows`). On our kernel each 16-lane tile then holds 8 outputs' gate and up
+    sums, and the op applies the activation in registers (`hcache_int8.int8_glu`): the
+    `[T, 2I]` product is never written, nor read back by elementwise ops (on two cores
+    those read what the other core's half of the kernel just wrote). Elsewhere the rows'
+    output is split and activated in torch."""
+
+    @classmethod
+    def of(cls, gate: Int8Linear, up: Int8Linear) -> Int8Glu | None:
+        """None where the pair does not interleave: rows not a multiple of 8, or biases."""
+        if gate.out_features % 8 or gate.q.shape != up.q.shape or gate.bias is not None or up.bias is not None:
+            return None
+        return cls(glu_rows(gate.q, up.q), glu_rows(gate.scales, up.scales))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiles is not None:
+            flat = x.reshape(-1, self.in_features)
+            y = torch.ops.hcache_int8.int8_glu(flat, self.tiles, self.sums, self.scales).to(x.dtype)
+            return y.view(*x.shape[:-1], self.out_features // 2)
+        both = super().forward(x).unflatten(-1, (-1, 2, 8))
+        return (F.silu(both[..., 0, :]) * both[..., 1, :]).flatten(-2)
 
 
 class Int8Rows(Int8Linear):

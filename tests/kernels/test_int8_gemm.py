@@ -3,10 +3,11 @@ integer reference, at the shapes that take each of its remainder paths."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hcache.kernels import native
 from hcache.kernels.cpu import cpu
-from hcache.model.quant import Int8Linear, Int8Rows, int8_rows_mm
+from hcache.model.quant import Int8Linear, Int8Rows, glu_rows, int8_rows_mm
 
 op = native.int8_gemm()
 pytestmark = pytest.mark.skipif(op is None, reason=f"needs AVX512-VNNI and a C++ compiler; this CPU is {cpu().kind}")
@@ -91,6 +92,45 @@ def test_the_linear_quantizes_inside_to_the_graphs_bits(m, k):
         assert torch.equal(torch.ops.hcache_int8.int8_linear(xs, tiles, sums, scales), want)
 
 
+@pytest.mark.parametrize("m", [1, 7, 33])
+def test_a_bias_is_added_inside_as_torch_adds_it(m):
+    g = torch.Generator().manual_seed(m)
+    w = torch.randint(-127, 128, (50, 96), dtype=torch.int8, generator=g)
+    scales = (torch.rand(50, generator=g) * 0.1).bfloat16()
+    tiles, sums = native.int8_pack(w)
+    x, bias = torch.randn(m, 96, generator=g), torch.randn(50, generator=g)
+    want = torch.ops.hcache_int8.int8_linear(x, tiles, sums, scales) + bias
+    assert torch.equal(torch.ops.hcache_int8.int8_linear(x, tiles, sums, scales, bias), want)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 8, 4), (5, 40, 100), (33, 200, 896), (70, 64, 4864)])
+def test_the_glu_applies_silu_gate_times_up_to_each_rows_sums(m, n, k):
+    """`int8_glu` over `glu_rows(gate, up)`: each output is `silu(gate) * up` of the sums
+    `int8_linear` gives for those rows, its own silu within a few float32 roundings of
+    torch's; and a row's bits do not depend on the rows beside it."""
+    g = torch.Generator().manual_seed(m * 100 + n)
+    gate, up = (torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g) for _ in range(2))
+    sg, su = ((torch.rand(n, generator=g) * 0.02 + 0.001).bfloat16() for _ in range(2))
+    tiles, sums = native.int8_pack(glu_rows(gate, up))
+    scales = glu_rows(sg, su)
+    x = torch.randn(m, k, generator=g)
+    sums_of = torch.ops.hcache_int8.int8_linear(x, tiles, sums, scales).view(m, n // 8, 2, 8)
+    want = (F.silu(sums_of[:, :, 0]) * sums_of[:, :, 1]).reshape(m, n)
+    got = torch.ops.hcache_int8.int8_glu(x, tiles, sums, scales)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    assert ((got - want).abs() <= 4e-6 * want.abs() + 1e-30).all()
+    assert torch.equal(torch.ops.hcache_int8.int8_glu(x[-1:], tiles, sums, scales), got[-1:])
+    # the gate's sign decides: a large negative gate gives 0, a large positive one gate * up
+    tiles1, sums1 = native.int8_pack(
+        glu_rows(torch.full((8, 4), 127, dtype=torch.int8), torch.ones(8, 4, dtype=torch.int8))
+    )
+    big = torch.ops.hcache_int8.int8_glu(
+        torch.tensor([[-1e3] * 4, [1e3] * 4]), tiles1, sums1, torch.ones(16).bfloat16()
+    )
+    assert torch.equal(big[0], torch.zeros(8))  # its power overflows: gate / inf
+    assert torch.allclose(big[1], torch.full((8,), 127 * 4e3 * 4e3), rtol=0.02)
+
+
 def test_bad_operands_are_refused():
     a, w, scales = operands(2, 32, 64, 5)
     tiles, sums = native.int8_pack(w)
@@ -102,6 +142,11 @@ def test_bad_operands_are_refused():
         torch.ops.hcache_int8.int8_linear(torch.randn(2, 60), tiles, sums, scales)
     with pytest.raises(RuntimeError, match="activations"):
         torch.ops.hcache_int8.int8_linear(torch.ones(2, 64, dtype=torch.int32), tiles, sums, scales)
+    with pytest.raises(RuntimeError, match="bias of N"):
+        torch.ops.hcache_int8.int8_linear(torch.randn(2, 64), tiles, sums, scales, torch.zeros(31))
+    tiles24, sums24 = native.int8_pack(torch.ones(24, 64, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="multiple of 8 each"):
+        torch.ops.hcache_int8.int8_glu(torch.randn(2, 64), tiles24, sums24, torch.ones(24).bfloat16())
 
 
 def test_a_tied_embedding_looks_its_rows_up_in_the_tiles():

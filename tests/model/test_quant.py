@@ -6,13 +6,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hcache.engine.block_pool import resident_kv_dtype
 from hcache.kernels.cpu import cpu
 from hcache.model.gguf_blocks import unpermute
 from hcache.model.loader import auto_weights, default_model_path, load
 from hcache.model.quality import logits_of, perplexity
-from hcache.model.quant import Int4Linear, Int8Rows, int4_from_float
+from hcache.model.quant import Int4Linear, Int8Glu, Int8Linear, Int8Rows, int4_from_float
 
 TEXT = Path(__file__).parent.parent / "data" / "perplexity.txt"
 
@@ -216,3 +217,25 @@ def test_the_onednn_head_is_row_independent_close_and_the_same_compiled(bits):
     compiled = torch.compile(lambda t: rows(t), dynamic=True, fullgraph=True)
     with torch.inference_mode():
         assert torch.equal(compiled(x), got) and torch.equal(compiled(x[:3]), got[:3])
+
+
+def test_an_int8_glu_is_silu_gate_times_up_on_every_path():
+    """Gate and up int8 rows as one `Int8Glu`: on `_weight_int8pack_mm` (the rows as they
+    are), on oneDNN and on our kernel (which applies its own silu), each within float32
+    roundings of `silu(gate(x)) * up(x)` from the separate modules on the same path; and a
+    pair that does not interleave stays apart."""
+    g = torch.Generator().manual_seed(3)
+    w_gate, w_up = torch.randn(40, 64, generator=g), torch.randn(40, 64, generator=g)
+    x = torch.randn(9, 64, generator=g)
+    forms = {"rows": lambda m: True, "onednn": Int8Linear.pack_for_onednn, "native": Int8Linear.pack_native}
+    for name, pack in forms.items():
+        gate, up = Int8Linear.from_float(w_gate), Int8Linear.from_float(w_up)
+        glu = Int8Glu.of(gate, up)
+        assert glu is not None and glu.out_features == 80
+        if not (pack(gate) and pack(up) and pack(glu)):
+            continue  # this CPU or torch lacks the form
+        want = F.silu(gate(x)) * up(x)
+        got = glu(x)
+        assert got.shape == (9, 40) and ((got - want).abs() <= 1e-5 * want.abs() + 1e-30).all(), name
+    assert Int8Glu.of(Int8Linear.from_float(w_gate[:36]), Int8Linear.from_float(w_up[:36])) is None
+    assert Int8Glu.of(Int8Linear.from_float(w_gate, torch.ones(40)), Int8Linear.from_float(w_up)) is None

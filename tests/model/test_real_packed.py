@@ -12,7 +12,7 @@ from hcache.kernels import native
 from hcache.model import attention
 from hcache.model.loader import auto_weights
 from hcache.model.quality import logits_of, perplexity_of
-from hcache.model.quant import Int4Linear, Int8Embedding, Int8Linear, Int8Rows
+from hcache.model.quant import Int4Linear, Int8Embedding, Int8Glu, Int8Linear, Int8Rows
 
 TEXT = Path(__file__).parent.parent / "data" / "perplexity.txt"
 
@@ -21,7 +21,7 @@ def test_a_k_quant_file_runs_packed_in_its_own_bytes(qwen_packed):
     m = qwen_packed.model
     assert auto_weights(qwen_packed.source) == "packed" and m.weights == "packed"
     kinds = {type(mod) for layer in m.layers for mod in layer.children() if not hasattr(mod, "eps")}
-    assert kinds <= {Int4Linear, Int8Linear}, kinds
+    assert kinds <= {Int4Linear, Int8Linear, Int8Glu}, kinds
     assert Int4Linear in kinds  # the Q4_K tensors, as int4 groups
     assert not any(isinstance(p, torch.nn.Linear) for p in m.modules())  # no float matrix left
     assert isinstance(m.embed_tokens, Int8Embedding) and isinstance(m.lm_head, Int8Rows)
