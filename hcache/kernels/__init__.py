@@ -9,7 +9,14 @@ import torch
 from hcache.config import hcache_home
 from hcache.kernels.cpu import COMPILE
 
-__all__ = ["COMPILE"]
+__all__ = ["COMPILE", "source_digest"]
+
+
+def source_digest(*patterns: str) -> str:
+    """A hash of our kernel sources matching `patterns` (say "*.h"), in name order."""
+    here = Path(__file__).parent
+    files = sorted(f for p in patterns for f in here.glob(p))
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
 
 
 def _pin_compile_cache() -> None:
@@ -23,9 +30,7 @@ def _pin_compile_cache() -> None:
     from hcache.kernels.cpu import cpu
 
     c = cpu()
-    here = Path(__file__).parent
-    ours = hashlib.sha256(b"".join(f.read_bytes() for f in sorted([*here.glob("*.cpp"), *here.glob("*.h")])))
-    folder = f"torch-{torch.__version__}-{c.kind}-{c.aten.lower()}-{ours.hexdigest()[:12]}"
+    folder = f"torch-{torch.__version__}-{c.kind}-{c.aten.lower()}-{source_digest('*.cpp', '*.h')}"
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(hcache_home() / "compiled" / folder)
 
 

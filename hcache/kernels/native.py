@@ -23,7 +23,6 @@ fails (logged once), or with `HCACHE_COMPILE=0`: callers keep their library path
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -34,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from hcache.kernels import COMPILE
+from hcache.kernels import COMPILE, source_digest
 from hcache.kernels.cpu import cpu
 
 log = logging.getLogger(__name__)
@@ -147,8 +146,7 @@ def _build(name: str, source_name: str, isa: str, op: str) -> Callable[..., torc
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
         source = Path(__file__).with_name(f"{source_name}.cpp")
         # torch rebuilds when a source or a flag changes, and it hashes no header: ours go in a flag
-        headers = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h"))))
-        flags = [*_FLAGS, isa, f"-DHCACHE_HEADERS={headers.hexdigest()[:16]}"]
+        flags = [*_FLAGS, isa, f"-DHCACHE_HEADERS={source_digest('*.h')}"]
         t0 = time.perf_counter()
         load(f"hcache_{name}", [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False)
         log.info("kernel %s ready in %.1f s", name, time.perf_counter() - t0)
