@@ -20,29 +20,31 @@ def norm(x):
     xf = x.float()
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
 def rounds():
-    for i in range(4):
+    for i in range(8):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for x in rows:
             norm(x)
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 t = threading.Thread(target=rounds)
 t.start()
 t.join()
 """
 
 
-def faults(mode: str) -> int:
+def faults(mode: str) -> list[int]:
+    """Pages faulted in by each round after the first three (the heap's growth to its peak)."""
     out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True)
-    return int(out.stdout.split()[-1])
+    return [int(n) for n in out.stdout.split()[3:]]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
 def test_large_temporaries_stop_faulting_pages() -> None:
-    # glibc's defaults: ~37000 pages (150 MB) faulted in and zeroed again every round
-    assert faults("default") > 10000
-    # the best of three: under another process's load (the suite runs on several workers)
-    # a probe can see a few thousand faults the kernel caused, not the allocator
-    assert min(faults("tuned") for _ in range(3)) < 1000
+    # glibc's defaults: ~32000 pages (130 MB) faulted in and zeroed again every round
+    assert min(faults("default")) > 10000
+    # tuned, the heap may still grow by one temporary in a late round: the OpenMP workers'
+    # frees interleave with the probe thread's, so which free block a request takes varies
+    # (in CI the 4th round once faulted 9216 pages). Once grown, rounds fault nothing.
+    assert min(faults("tuned")) < 1000
 
 
 # what the engine loop's idle trim hands back after a restore's temporaries, against a plain malloc_trim
