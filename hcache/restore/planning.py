@@ -19,6 +19,8 @@ from hcache.storage.fetched import Fetched
 from hcache.storage.layout import Kind, Stored, encode_layer_kinds
 from hcache.storage.store import ChunkStore
 
+PLANS_KEPT = 256  # planned restores remembered by the planner
+
 
 class NotStored(StorageError):
     """A forced restore method reads state the owner does not store."""
@@ -54,6 +56,8 @@ def layer_kinds_for(
 class RestorePlanner:
     def __init__(self, store: ChunkStore, model: DecoderModel, fingerprint: str, profile: Profile):
         self.store, self.model, self.fingerprint, self.profile = store, model, fingerprint, profile
+        # plans by (tokens, stored kinds, read cap): every session on one context asks the same
+        self._plans: dict[tuple[int, tuple[Stored, ...], float | None], tuple[Plan, float]] = {}
 
     def stored(self, who: Lineage, n: int) -> list[Stored]:
         """What every layer can be read as, for the first `n` tokens."""
@@ -103,6 +107,12 @@ class RestorePlanner:
             return Plan.uniform(L, method), None
         if fetched is not None and all(stored):
             return Plan(tuple(Method.KV if Kind.KV in ks else Method.HIDDEN for ks in stored)), None
+        key = (n, tuple(stored), cap_gbps)
+        if (got := self._plans.get(key)) is not None:
+            return got
         geom = Geometry.of(self.model.cfg, self.model.dtype.itemsize, self.store.kv_dtype.itemsize)
         res: PlannedRestore = partition_stored(geom, self.profile, n, stored, cap_gbps)
+        if len(self._plans) >= PLANS_KEPT:
+            self._plans.clear()
+        self._plans[key] = res.plan, res.makespan_ms
         return res.plan, res.makespan_ms

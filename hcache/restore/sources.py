@@ -152,6 +152,7 @@ class SharedSource(StateSource):
 
     def __init__(self, parent: StateSource, own: StateSource | None, base: int):
         self.parent, self.own, self.base = parent, own, base
+        self._n = base + (len(own.tokens) if own else 0)
 
     @property
     def tokens(self) -> list[int]:
@@ -190,7 +191,7 @@ class SharedSource(StateSource):
 
     def _pieces(self, lo: int, hi: int | None) -> list[tuple[StateSource, int, int]]:
         """(source, lo, hi) in that source's own token indices, covering `lo:hi`."""
-        hi = len(self.tokens) if hi is None else hi
+        hi = self._n if hi is None else hi  # the parts' tokens are fixed: counted once, not joined per layer
         out = []
         if lo < self.base:
             out.append((self.parent, lo, min(hi, self.base)))

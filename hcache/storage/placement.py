@@ -34,6 +34,10 @@ class Placement:
         self.slabs: dict[tuple[int, str], SlabFile] = {}
         self.allocs: dict[tuple[int, str], SlotAllocator] = {}
         self.index: dict[str, ChunkIndex] = {}
+        # the version of each owner's index, from one counter: a plan made of an index stays
+        # good while its owner's version does (an owner made again gets a new one)
+        self._versions: dict[str, int] = {}
+        self._version = 0
         self.seqs: dict[tuple[str, int, int, str], int] = {}  # the newest committed write of each chunk
         self.refs: Counter[tuple[int, str, int]] = Counter()  # (dir, slab, slot) -> rows referencing it
         self._recover({s.slab for s in shapes.values()}, stats)
@@ -52,6 +56,7 @@ class Placement:
         used: dict[tuple[int, str], set[int]] = defaultdict(set)
         for o in owners:
             self.index[o] = defaultdict(dict)
+            self._changed(o)
         for r in rows:
             if r not in stale_set:
                 used[(r.dir, r.slab)].add(r.slot)
@@ -161,6 +166,8 @@ class Placement:
             for r in keep:
                 self.index[r.owner][(r.layer, r.kind)][r.idx] = r
                 self.refs[(r.dir, r.slab, r.slot)] += 1
+            for owner in {r.owner for r in keep}:
+                self._changed(owner)
             self._unref(replaced)
             for r in drop:  # written, never committed: no row references its slot
                 self.release(r.dir, r.slab, r.slot)
@@ -179,20 +186,36 @@ class Placement:
 
     def chunk_index(self, owner: str) -> ChunkIndex:
         """A copy of the owner's committed chunks."""
+        return self.versioned_index(owner)[0]
+
+    def versioned_index(self, owner: str) -> tuple[ChunkIndex, int]:
+        """A copy of the owner's committed chunks, and the version it is a copy of."""
         with self.lock:
             if owner not in self.index:
                 raise UnknownOwner(f"unknown owner {owner}")
-            return {k: dict(v) for k, v in self.index[owner].items()}
+            return {k: dict(v) for k, v in self.index[owner].items()}, self._versions[owner]
+
+    def version(self, owner: str) -> int | None:
+        """The version of the owner's committed chunks (None: no such owner). It changes
+        whenever they do."""
+        with self.lock:
+            return self._versions.get(owner)
+
+    def _changed(self, owner: str) -> None:
+        self._version += 1
+        self._versions[owner] = self._version
 
     def add_owner(self, owner: str) -> None:
         with self.lock:
             self.index[owner] = defaultdict(dict)
+            self._changed(owner)
 
     def fork(self, parent: str, child: str, meta: dict, n: int, prefixes: list[bytes] | None) -> OwnerRow:
         """A new owner sharing the parent's chunks of its first `n` tokens (see Manifest.fork_owner)."""
         with self.lock:
             row, rows = self.manifest.fork_owner(parent, child, meta, n, prefixes)
             self.index[child] = defaultdict(dict)
+            self._changed(child)
             for r in rows:
                 self.index[child][(r.layer, r.kind)][r.idx] = r
                 self.refs[(r.dir, r.slab, r.slot)] += 1
@@ -209,6 +232,7 @@ class Placement:
         with self.lock:
             rows = self.manifest.delete_owner(owner, expired)
             self.index.pop(owner, None)
+            self._versions.pop(owner, None)
             self._unref(rows)
             for alloc in self.allocs.values():
                 alloc.drop_reservations(owner)
@@ -227,6 +251,7 @@ class Placement:
             before = sum(self.in_use(d) for d in range(len(self.dirs)))
             for layer, kind in drop:
                 idx.pop((layer, kind.value), None)
+            self._changed(owner)
             for r in self._unref(rows):
                 self.slab(r.dir, r.slab).punch(r.slot)
             for r in rows:

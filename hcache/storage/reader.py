@@ -19,8 +19,8 @@ from hcache.storage.buffers import LayerBuffers
 from hcache.storage.errors import ChunkError
 from hcache.storage.layout import ALIGN, CHUNK_TOKENS, ChunkShape, Kind, checksum, checksum_parts, num_chunks
 from hcache.storage.manifest import ChunkRow
-from hcache.storage.placement import ChunkIndex, Placement
-from hcache.storage.readplan import Request, Want, is_tail, plan_requests, run_end, scatter_plan, wanted_chunks
+from hcache.storage.placement import Placement
+from hcache.storage.readplan import ReadPlan, Request, Want, is_tail, run_end, scatter_plan
 from hcache.storage.readpool import ReadPool
 from hcache.storage.stats import StoreStats
 from hcache.storage.throttle import TokenBucket
@@ -59,17 +59,17 @@ class OwnerReader:
         owner: str,
         wants: list[Want],
         window: int,
-        index: ChunkIndex,
+        plan: ReadPlan,
         parts: ReadParts,
         into: dict[tuple[int, Kind], torch.Tensor] | None = None,
     ):
-        """Read `wants` of `owner`, whose committed chunks are `index`, out of the slab files;
+        """Read `wants` of `owner` by `plan` (made for them) out of the slab files;
         a want's rows land in `into[(layer, kind)]` where given (the caller's memory, say its
         cache's rows, shaped as `get` returns them: no copy follows the read), else in a
         buffer of the reader's. Reads into the caller's memory may run until `settle()`."""
         self.owner, self.shapes, self.slabs, self.pool = owner, parts.shapes, parts.slabs, parts.pool
         self.buffers, self.throttle, self.stats, self.cfg = parts.buffers, parts.throttle, parts.stats, parts.cfg
-        shapes, cfg = parts.shapes, parts.cfg
+        shapes = parts.shapes
         self.window = max(1, window)
         self.slots: dict[tuple[int, Kind], LayerSlot] = {}
         self.bytes_read = 0
@@ -78,8 +78,7 @@ class OwnerReader:
         self._outstanding = 0  # requests submitted and not yet done
         self._closed = False
         self._cursor = min((w.layer for w in wants), default=0)
-        rows: list[ChunkRow] = []
-        for w in wants:
+        for w, got in zip(wants, plan.chunks, strict=True):
             if w.lo % CHUNK_TOKENS or not 0 <= w.lo <= w.hi:
                 raise ValueError(f"bad token range {w.lo}:{w.hi}")
             width = shapes[w.kind].width
@@ -93,11 +92,8 @@ class OwnerReader:
                 if tuple(dest.shape) != slot.shape or dest.dtype != shapes[w.kind].dtype or not dest.is_contiguous():
                     raise ValueError(f"layer {w.layer}: rows to land in must be a contiguous {slot.shape}")
                 slot.out, slot.lent = dest, True
-            got = wanted_chunks(owner, w, index.get((w.layer, w.kind.value), {}))
             if isinstance(got, ChunkError):
                 slot.error = got
-            else:
-                rows.extend(got)
             if slot.error is not None or slot.remaining == 0:
                 slot.ready.set()
         self._slot_of = {(layer, k.value): slot for (layer, k), slot in self.slots.items()}
@@ -107,14 +103,8 @@ class OwnerReader:
         for slot in self.slots.values():
             self._layer_bytes[slot.want.layer] += math.prod(slot.shape) * shapes[slot.want.kind].dtype.itemsize
         self._last_layer = max(self._layer_bytes, default=0)
-        sizes = self._slot_bytes = {s.slab: s.slot_bytes for s in shapes.values()}
-        self._plan = plan_requests(
-            rows,
-            sizes,
-            cfg.max_request_bytes,
-            first_bytes=cfg.first_request_bytes,
-            ahead=cfg.request_layers,
-        )
+        self._slot_bytes = {s.slab: s.slot_bytes for s in shapes.values()}
+        self._plan = plan.requests()
         self._planning, self._fresh = threading.Lock(), True
         self._next = next(self._plan, None)
         # the first layer's requests are read alone: beside the later ones they would share

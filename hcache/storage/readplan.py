@@ -149,6 +149,49 @@ def plan_requests(
         yield Request(k // len(slabs), slabs[k % len(slabs)], first, last - first + 1, by_slot[p:j], lo_layer)
 
 
+class ReadPlan:
+    """What a reader of `wants` reads: each want's chunks (or the error naming its first bad
+    one), and the requests that read them, made as the reader asks for them. Once all were
+    made, a reader of the same wants of the same owner version (every session on a shared
+    context) takes copies of them instead of a plan of its own."""
+
+    def __init__(
+        self,
+        owner: str,
+        wants: list[Want],
+        index: dict[tuple[int, str], dict[int, ChunkRow]],
+        slot_bytes: dict[str, int],
+        max_bytes: int,
+        first_bytes: int,
+        ahead: int,
+    ):
+        self.chunks = [wanted_chunks(owner, w, index.get((w.layer, w.kind.value), {})) for w in wants]
+        rows = [r for c in self.chunks if not isinstance(c, ChunkError) for r in c]
+        self._making: Iterator[Request] | None = plan_requests(
+            rows, slot_bytes, max_bytes, first_bytes=first_bytes, ahead=ahead
+        )
+        self._made: list[Request] = []
+        self.whole = False  # every request made
+
+    @property
+    def reusable(self) -> bool:
+        return self.whole and not any(isinstance(c, ChunkError) for c in self.chunks)
+
+    def requests(self) -> Iterator[Request]:
+        """The requests in order: made now, by the plan's one first reader, or copies of them."""
+        if self.whole:
+            for q in self._made:
+                yield Request(q.dir, q.slab, q.first, q.count, q.chunks, q.min_layer)
+            return
+        making, self._making = self._making, None
+        if making is None:
+            raise RuntimeError("a plan is read by one reader until all its requests are made")
+        for q in making:
+            self._made.append(Request(q.dir, q.slab, q.first, q.count, q.chunks, q.min_layer))
+            yield q
+        self.whole = True
+
+
 def scatter_plan(
     q: Request,
     piece: int,

@@ -492,6 +492,58 @@ def test_read_plan_equals_the_chunk_by_chunk_rule():
         assert shape(plan_requests(rows, sizes, **kw)) == shape(_plan_chunk_by_chunk(rows, sizes, **kw)), kw
 
 
+def test_restores_of_an_unchanged_owner_take_its_first_read_plan(dirs, monkeypatch) -> None:
+    """Readers of the same rows of an owner whose chunks did not change (every session on a
+    shared context) read by the first one's plan; any change to the chunks plans again, even
+    one that leaves every range as it was."""
+    import hcache.storage.readplan as readplan
+
+    made, real = [], readplan.plan_requests
+    monkeypatch.setattr(readplan, "plan_requests", lambda *a, **kw: made.append(1) or real(*a, **kw))
+    with open_store(dirs) as st:
+        st.create_owner("s", KINDS, "fp")
+        save(st, "s", 0, 150)
+        st.mark_durable("s", list(range(150)))
+        check_all(st, "s", 150)
+        check_all(st, "s", 150)
+        assert len(made) == 1
+        st.truncate("s", 100)
+        save(st, "s", 100, 50, salt=0.5)
+        st.mark_durable("s", list(range(150)))
+        check_all(st, "s", 150, salt_from=100, salt=0.5)  # the same ranges over other chunks
+        check_all(st, "s", 150, salt_from=100, salt=0.5)
+        assert len(made) == 2
+        st.release("s", 1)  # a layer's kind given up
+        left = [next(iter(ks), None) for ks in st.layer_kinds(st.owner_row("s"))]
+        assert left != KINDS
+        check_all(st, "s", 150, kinds=left, salt_from=100, salt=0.5)
+        assert len(made) == 3
+
+
+def test_a_read_plan_is_reused_once_whole_as_fresh_requests() -> None:
+    from hcache.storage.manifest import ChunkRow
+    from hcache.storage.readplan import ReadPlan, Want
+
+    index = {
+        (layer, "h"): {i: ChunkRow("o", layer, i, "h", 0, "h.x", 4 * i + layer, 64, 0) for i in range(4)}
+        for layer in range(4)
+    }
+    wants = [Want(layer, Kind.HIDDEN, 0, 256) for layer in range(4)]
+    plan = ReadPlan("o", wants, index, {"h.x": 1 << 20}, 2 << 20, 1 << 20, 3)
+    made = plan.requests()
+    first = [next(made)]
+    assert not plan.reusable
+    with pytest.raises(RuntimeError):
+        next(plan.requests())  # a plan being made has one reader
+    first += list(made)
+    first[0].opening, first[0].not_before = True, 1.0  # what a reader marks on its requests
+    assert plan.reusable and len(first) > 1
+    again = list(plan.requests())
+    fields = ("dir", "slab", "first", "count", "chunks", "min_layer")
+    assert [[getattr(q, f) for f in fields] for q in again] == [[getattr(q, f) for f in fields] for q in first]
+    assert not any(q.opening or q.not_before for q in again)
+
+
 def test_read_ahead_covers_prefetch_bytes_past_the_consumer(dirs) -> None:
     """Small layers are read ahead by bytes, not only by the layer window: a consumer that is
     busy elsewhere (recomputing a prefix) finds them all in once it asks."""
