@@ -25,6 +25,8 @@ from hcache.storage.readpool import ReadPool
 from hcache.storage.stats import StoreStats
 from hcache.storage.throttle import TokenBucket
 
+OPENING_LAYERS = 3  # the first layers with reads, whose requests go alone, one layer after the other
+
 
 @dataclass(eq=False)  # hashed by identity: per-request tallies key on it
 class LayerSlot:
@@ -36,6 +38,15 @@ class LayerSlot:
     lent: bool = False  # `out` is the caller's (rows of its cache), not the buffer pool's
     ready: threading.Event = field(default_factory=threading.Event)
     error: ChunkError | None = None
+
+
+@dataclass(eq=False)
+class _Gate:
+    """One opening layer's requests: how many are unfinished, and when all are."""
+
+    layer: int | None = None
+    left: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(frozen=True)
@@ -107,17 +118,17 @@ class OwnerReader:
         self._plan = plan.requests()
         self._planning, self._fresh = threading.Lock(), True
         self._next = next(self._plan, None)
-        # the first layer's requests are read alone: beside the later ones they would share
-        # the device, and the consumer waits on the first layer with nothing else to do. The
-        # later ones are queued all the same (a close still drains them) and wait in `_run`.
-        self._opening = self._next.min_layer if self._next is not None else None
-        self._opening_left = 0
-        self._opened = threading.Event()
+        # the first layers' requests are read alone, a layer at a time: beside the later ones
+        # they would share the device, and the consumer waits on them with little else to do.
+        # The later ones are queued all the same (a close still drains them) and wait in `_run`.
+        self._gates = [_Gate() for _ in range(OPENING_LAYERS)]
+        self._gating = True
         self._issue()
         with self._lock:
-            self._opening = None
-            if self._opening_left == 0:
-                self._opened.set()
+            self._gating = False
+            for g in self._gates:
+                if g.left == 0:
+                    g.done.set()
 
     def _issue(self) -> None:
         """Submit requests whose first layer is inside the window: `window` layers past the
@@ -137,9 +148,7 @@ class OwnerReader:
                     if self._closed:
                         return
                     self._outstanding += 1
-                    if q.min_layer == self._opening:
-                        self._opening_left += 1
-                        q.opening = True
+                    q.gate = self._gate(q.min_layer)
                 q.not_before = self.throttle.reserve(q.count * self._slot_bytes[q.slab])
                 self.pool.submit(q.dir, self._run, q)
                 if self._fresh:  # let the first reader have the GIL: the rest is planned meanwhile
@@ -147,24 +156,37 @@ class OwnerReader:
                     time.sleep(0)
                 self._next = next(self._plan, None)
 
+    def _gate(self, layer: int) -> int:
+        """The gate of a request whose first layer is `layer` (under the lock): that of the
+        opening layer it reads, or `OPENING_LAYERS` past them."""
+        if not self._gating:
+            return len(self._gates)
+        for i, g in enumerate(self._gates):
+            if g.layer is None:
+                g.layer = layer
+            if g.layer == layer:
+                g.left += 1
+                return i
+        return len(self._gates)
+
     def _run(self, q: Request) -> None:
         """On a reader thread: read the request's slots, then check them here, while the
         bytes just read are still in the CPU's cache (a verifier thread of its own would read
-        them again from memory, taking cores from a turn that runs alongside). A later
-        layer's request first waits for the first layer's (FIFO queues: those are taken
-        first, so the wait always ends)."""
+        them again from memory, taking cores from a turn that runs alongside). A request
+        first waits for the opening layers' before it (FIFO queues: those are taken first,
+        so the wait always ends)."""
         try:
-            if not q.opening:
-                self._opened.wait()
-                self._read(q)
-                return
+            for g in self._gates[: q.gate]:
+                g.done.wait()
             try:
                 self._read(q)
             finally:
-                with self._lock:
-                    self._opening_left -= 1
-                    if self._opening_left == 0 and self._opening is None:
-                        self._opened.set()
+                if q.gate < len(self._gates):
+                    with self._lock:
+                        g = self._gates[q.gate]
+                        g.left -= 1
+                        if g.left == 0 and not self._gating:
+                            g.done.set()
         finally:
             with self._lock:
                 self._outstanding -= 1

@@ -27,7 +27,7 @@ class Request:
     chunks: list[ChunkRow]
     min_layer: int
     not_before: float = 0.0  # under a read cap: when its bytes may go (booked in layer order)
-    opening: bool = False  # one of the first layer's, which go alone
+    gate: int = 0  # which opening layer's it is (those go alone, in order), or their count
 
 
 @dataclass(frozen=True)

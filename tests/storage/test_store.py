@@ -536,12 +536,12 @@ def test_a_read_plan_is_reused_once_whole_as_fresh_requests() -> None:
     with pytest.raises(RuntimeError):
         next(plan.requests())  # a plan being made has one reader
     first += list(made)
-    first[0].opening, first[0].not_before = True, 1.0  # what a reader marks on its requests
+    first[0].gate, first[0].not_before = 2, 1.0  # what a reader marks on its requests
     assert plan.reusable and len(first) > 1
     again = list(plan.requests())
     fields = ("dir", "slab", "first", "count", "chunks", "min_layer")
     assert [[getattr(q, f) for f in fields] for q in again] == [[getattr(q, f) for f in fields] for q in first]
-    assert not any(q.opening or q.not_before for q in again)
+    assert not any(q.gate or q.not_before for q in again)
 
 
 def test_read_ahead_covers_prefetch_bytes_past_the_consumer(dirs) -> None:
@@ -712,23 +712,24 @@ def test_reads_are_booked_in_layer_order_across_directories(dirs) -> None:
         assert [lay for lay, _ in seen] == sorted(lay for lay, _ in seen)
 
 
-def test_the_first_layers_requests_are_read_alone(dirs, monkeypatch) -> None:
-    """A restore waits on its first layer with nothing else to do: that layer's requests (one
-    per directory) are read before any later layer's, which would share the device."""
-    from hcache.storage.reader import OwnerReader
+def test_the_first_layers_requests_are_read_alone_in_turn(dirs, monkeypatch) -> None:
+    """A restore waits on its first layers with little else to do: the requests of each of
+    the first `OPENING_LAYERS` (one per directory or more) are read before any later layer's,
+    which would share the device."""
+    from hcache.storage.reader import OPENING_LAYERS, OwnerReader
 
     kinds = [Kind.KV] * GEOM.num_layers
     log: list[tuple[str, int]] = []
-    lock, later_started = threading.Lock(), threading.Event()
+    lock = threading.Lock()
+    later = [threading.Event() for _ in range(GEOM.num_layers)]  # [m]: a request past layer m started
     read = OwnerReader._read
 
     def logged(self, q) -> None:
         with lock:
             log.append(("start", q.min_layer))
-        if q.min_layer > 0:
-            later_started.set()
-        else:  # ungated, a later request would start meanwhile (8 reader threads a directory)
-            later_started.wait(0.5)
+            for m in range(q.min_layer):
+                later[m].set()
+        later[q.min_layer].wait(0.2)  # ungated, a later request would start meanwhile
         try:
             read(self, q)
         finally:
@@ -736,17 +737,19 @@ def test_the_first_layers_requests_are_read_alone(dirs, monkeypatch) -> None:
                 log.append(("end", q.min_layer))
 
     monkeypatch.setattr(OwnerReader, "_read", logged)
-    with open_store(dirs) as st:
+    with open_store(dirs, request_layers=1) as st:
         st.create_owner("o", kinds, "fp")
         save(st, "o", 0, 256, kinds)
         st.mark_durable("o", list(range(256)))
         r = st.reader("o")
         for i in range(GEOM.num_layers):
             assert torch.equal(r.get(i), expected(i, Kind.KV, 256)), f"layer {i} differs"
-    first = [i for i, (_, layer) in enumerate(log) if layer == 0]
-    later = [i for i, (_, layer) in enumerate(log) if layer > 0]
-    assert len(first) >= 2 * len(dirs) and later, log  # every directory holds a chunk of layer 0
-    assert max(first) < min(later), log
+    assert GEOM.num_layers > OPENING_LAYERS
+    for m in range(OPENING_LAYERS):
+        mine = [i for i, (_, layer) in enumerate(log) if layer == m]
+        after = [i for i, (_, layer) in enumerate(log) if layer > m]
+        assert len(mine) >= 2 * len(dirs) and after, log  # every directory holds a chunk of the layer
+        assert max(mine) < min(after), (m, log)
 
 
 def _thp_fallbacks() -> int:
