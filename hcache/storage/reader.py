@@ -362,9 +362,7 @@ class OwnerReader:
     def get(self, layer: int, kind: Kind | None = None) -> torch.Tensor:
         """The rows asked for: `[n, hidden]` for H, `[n, 2, kv_dim]` (each token's K then V) for KV."""
         slot = self._slot(layer, kind)
-        with self._lock:
-            self._cursor = max(self._cursor, layer)
-        self._issue()
+        self._advance(layer)
         slot.ready.wait()
         if slot.error is not None:
             raise slot.error
@@ -376,10 +374,17 @@ class OwnerReader:
     def ready(self, layer: int, kind: Kind | None = None) -> bool:
         """Would `get` return at once? (Moves the read-ahead window like `get` does.)"""
         slot = self._slot(layer, kind)
-        with self._lock:
-            self._cursor = max(self._cursor, layer)
-        self._issue()
+        self._advance(layer)
         return slot.ready.is_set()
+
+    def _advance(self, layer: int) -> None:
+        """Move the read-ahead window on to `layer`. Where it already stands, everything in it
+        was issued: the consumer asks several times per layer, beside a turn's work."""
+        with self._lock:
+            if layer <= self._cursor:
+                return
+            self._cursor = layer
+        self._issue()
 
     def wait(self, layer: int, kind: Kind | None, timeout: float) -> bool:
         return self._slot(layer, kind).ready.wait(timeout)
