@@ -56,7 +56,7 @@ class Saver:
     def after_layer(self, layer: int, cache: PagedCache, start: int, n: int) -> None:
         dst = self._kv.get(layer)
         if dst is not None:
-            k, v = _kv_rows(cache, layer, cache.rows(start, n))
+            k, v = cache.kv_rows(layer, start, n)
             dst[:n, 0] = k
             dst[:n, 1] = v
 
