@@ -20,6 +20,9 @@ from hcache.model.loader import resolve_model_path
 
 TURN = 32
 REPEATS = 5  # rounds of each measure the two systems take turns in: medians (disks and VMs jitter)
+# rounds of the TTFT after an eviction, the closest ratio and a cheap one (a round is about a
+# second): with 5, one run's medians of the same code moved by 15%
+EVICTION_ROUNDS = 11
 
 
 def llama(n_ctx: int, threads: int, logits_all: bool = False, model: str = "default") -> Any:
@@ -65,7 +68,7 @@ def llama_cpp_rows(
     rows = []
     for n in contexts:
         row = {"system": "llama.cpp", "tokens": n} | me.prepare(doc[:n])
-        loads, turns = zip(*(me.load_turn(doc[:n], turn) for _ in range(REPEATS)), strict=True)
+        loads, turns = zip(*(me.load_turn(doc[:n], turn) for _ in range(EVICTION_ROUNDS)), strict=True)
         rows.append(row | eviction_row(list(loads), list(turns)))
         me.forget(n)
         print(f"llama.cpp {n}: {rows[-1]}", flush=True)

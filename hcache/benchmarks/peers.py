@@ -36,6 +36,7 @@ import torch
 from hcache import omp
 from hcache.benchmarks import measures, report
 from hcache.benchmarks.llamacpp import (
+    EVICTION_ROUNDS,
     REPEATS,
     TURN,
     Peer,
@@ -113,7 +114,7 @@ def hcache_rows(
                 engine.delete(s.id)
             peer_row = {"system": "llama.cpp", "tokens": n} | (peer.call("prepare", doc[:n]) if peer else {})
             ttfts, loads, turns = [], [], []
-            for _ in range(REPEATS):
+            for _ in range(EVICTION_ROUNDS):
                 s = engine.create_session(context_ids=[ctx.id])  # evicted session, new turn: restore fused
                 seq = engine.generate(s.id, token_ids=turn, params=one)
                 ttfts.append(_last_stats(engine, seq).ttft_ms)
