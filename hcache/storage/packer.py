@@ -21,7 +21,6 @@ from hcache.storage.errors import StorageError, StorageFull
 from hcache.storage.layout import CHUNK_TOKENS, ChunkShape, Kind, decode_layer_kinds
 from hcache.storage.manifest import Manifest
 from hcache.storage.placement import Placement
-from hcache.storage.reader import read_chunk
 from hcache.storage.staging import StagedBatch, StagingRing
 from hcache.storage.stats import StoreStats
 
@@ -165,7 +164,7 @@ class Packer(threading.Thread):
             for layer, kinds in enumerate(st.kinds):
                 for kind in kinds:
                     buf = st.chunks[(layer, kind)] = self.chunks[kind].take()
-                    omp.copy_serial(buf.t, read_chunk(self.placement, self.shapes[kind], self.stats, owner, layer, idx))
+                    omp.copy_serial(buf.t, self.placement.read_chunk(self.shapes[kind], self.stats, owner, layer, idx))
         st.loaded = True
 
     def _pack(self, batch: StagedBatch) -> None:

@@ -9,9 +9,12 @@ import threading
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import torch
+
 from hcache.config import StorageConfig
-from hcache.storage.errors import StorageFull, UnknownOwner
-from hcache.storage.layout import CHUNK_TOKENS, ChunkShape, Kind, home_dir, parse_slab
+from hcache.memory import aligned_buffer
+from hcache.storage.errors import ChunkError, StorageFull, UnknownOwner
+from hcache.storage.layout import CHUNK_TOKENS, ChunkShape, Kind, checksum, home_dir, parse_slab
 from hcache.storage.manifest import ChunkRow, Manifest, OwnerRow
 from hcache.storage.slab import SlabFile, SlotAllocator
 from hcache.storage.stats import StoreStats
@@ -194,6 +197,20 @@ class Placement:
             if owner not in self.index:
                 raise UnknownOwner(f"unknown owner {owner}")
             return {k: dict(v) for k, v in self.index[owner].items()}, self._versions[owner]
+
+    def read_chunk(self, shape: ChunkShape, stats: StoreStats, owner: str, layer: int, idx: int) -> torch.Tensor:
+        """One whole chunk (all 64 rows of its slot), checked."""
+        with self.lock:
+            if owner not in self.index:
+                raise UnknownOwner(f"unknown owner {owner}")
+            row = self.index[owner].get((layer, shape.kind.value), {}).get(idx)
+        if row is None:
+            raise ChunkError(owner, layer, idx, "missing")
+        got = self.slab(row.dir, row.slab).read(row.slot, 1, aligned_buffer(shape.slot_bytes))
+        if len(got) < shape.nbytes or checksum(got[: shape.nbytes]) != row.checksum:
+            stats.count_checksum_failure()
+            raise ChunkError(owner, layer, idx, "checksum mismatch")
+        return torch.frombuffer(bytearray(got[: shape.nbytes]), dtype=shape.dtype).view(shape.shape)
 
     def version(self, owner: str) -> int | None:
         """The version of the owner's committed chunks (None: no such owner). It changes

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import torch
 
 from hcache.config import StorageConfig
-from hcache.memory import aligned_buffer
 from hcache.storage.buffers import LayerBuffers
 from hcache.storage.errors import ChunkError
 from hcache.storage.layout import ALIGN, CHUNK_TOKENS, ChunkShape, Kind, checksum, checksum_parts, num_chunks
@@ -396,17 +395,3 @@ class OwnerReader:
                 if not slot.lent:
                     self.buffers.give(slot.out)
                 slot.out, slot.mem = None, None
-
-
-def read_chunk(
-    slabs: Placement, shape: ChunkShape, stats: StoreStats, owner: str, layer: int, idx: int
-) -> torch.Tensor:
-    """One whole chunk (all 64 rows of its slot), checked."""
-    row = slabs.chunk_index(owner).get((layer, shape.kind.value), {}).get(idx)
-    if row is None:
-        raise ChunkError(owner, layer, idx, "missing")
-    got = slabs.slab(row.dir, row.slab).read(row.slot, 1, aligned_buffer(shape.slot_bytes))
-    if len(got) < shape.nbytes or checksum(got[: shape.nbytes]) != row.checksum:
-        stats.count_checksum_failure()
-        raise ChunkError(owner, layer, idx, "checksum mismatch")
-    return torch.frombuffer(bytearray(got[: shape.nbytes]), dtype=shape.dtype).view(shape.shape)

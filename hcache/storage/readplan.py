@@ -1,19 +1,23 @@
-"""Read planning, as pure functions: which chunks a restore wants, the requests that read
-them (in the order layers are consumed), and where each slot of a request lands."""
+"""Read planning: which chunks a restore wants, the requests that read them (in the order
+layers are consumed), where each slot of a request lands, and the plans kept for reuse."""
 
 from __future__ import annotations
 
 import bisect
 import heapq
 import operator
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
+from hcache.config import StorageConfig
 from hcache.storage.errors import ChunkError
 from hcache.storage.layout import CHUNK_TOKENS, Kind, Stored, num_chunks
 from hcache.storage.manifest import ChunkRow
+from hcache.storage.placement import Placement
 
 Target = memoryview | tuple[int, int]  # bytes to read into, or (offset, length) in the bounce buffer
 
@@ -190,6 +194,35 @@ class ReadPlan:
             self._made.append(Request(q.dir, q.slab, q.first, q.count, q.chunks, q.min_layer))
             yield q
         self.whole = True
+
+
+class ReadPlans:
+    """The last `kept` plans of whole reads, by (owner, version of its chunks, wants): the
+    readers of an owner that does not change (say a shared context's) take one plan."""
+
+    def __init__(self, placement: Placement, slot_bytes: dict[str, int], cfg: StorageConfig, kept: int = 64):
+        self.placement, self.slot_bytes, self.cfg, self.kept = placement, slot_bytes, cfg, kept
+        self._plans: OrderedDict[tuple[str, int, tuple[Want, ...]], ReadPlan] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def plan(self, owner: str, wants: list[Want]) -> ReadPlan:
+        """A whole plan of the same wants of this version of the owner's chunks, else a new one."""
+        key = (owner, self.placement.version(owner) or 0, tuple(wants))
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is not None and plan.reusable:
+                self._plans.move_to_end(key)
+                return plan
+        index, version = self.placement.versioned_index(owner)
+        cfg = self.cfg
+        plan = ReadPlan(
+            owner, wants, index, self.slot_bytes, cfg.max_request_bytes, cfg.first_request_bytes, cfg.request_layers
+        )
+        with self._lock:
+            self._plans[(owner, version, tuple(wants))] = plan
+            while len(self._plans) > self.kept:
+                self._plans.popitem(last=False)
+        return plan
 
 
 def scatter_plan(

@@ -11,7 +11,6 @@ import logging
 import os
 import shutil
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -42,8 +41,8 @@ from hcache.storage.outbox import Outbox
 from hcache.storage.packer import FlushTail, Forget, Packer
 from hcache.storage.placement import Placement
 from hcache.storage.prefixes import prefix_hashes
-from hcache.storage.reader import OwnerReader, ReadParts, Want, read_chunk
-from hcache.storage.readplan import ReadPlan, stored_wants
+from hcache.storage.reader import OwnerReader, ReadParts, Want
+from hcache.storage.readplan import ReadPlans, stored_wants
 from hcache.storage.readpool import ReadPool
 from hcache.storage.staging import Segment, StagedBatch, StagingRing
 from hcache.storage.stats import DirUsage, StoreStats
@@ -52,7 +51,6 @@ from hcache.storage.throttle import TokenBucket
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.sqlite"
 LOCK = "hcache.lock"
-READ_PLANS_KEPT = 64  # whole read plans kept for restores of unchanged owners (shared contexts)
 
 
 class ChunkStore:
@@ -110,8 +108,7 @@ class ChunkStore:
         self._read_parts = ReadParts(
             self.shapes, self.placement, self.reads, self.buffers, self.throttle, self.stats, self.cfg
         )
-        self._plans: OrderedDict[tuple[str, int, tuple[Want, ...]], ReadPlan] = OrderedDict()
-        self._plans_lock = threading.Lock()
+        self._plans = ReadPlans(self.placement, {s.slab: s.slot_bytes for s in self.shapes.values()}, cfg)
         self.outbox = Outbox(self.packer.inbox)
         for t in (self.packer, *self.writers):
             t.start()
@@ -353,30 +350,12 @@ class ChunkStore:
             wants = stored_wants(self.layer_kinds(row), layers, row.num_tokens)
         elif any(w.hi > row.num_tokens for w in wants):
             raise ValueError(f"owner {owner} has {row.num_tokens} durable tokens")
-        plan = self._read_plan(owner, wants)
+        plan = self._plans.plan(owner, wants)
         return OwnerReader(owner, wants, window or self.cfg.prefetch_layers, plan, self._read_parts, into)
-
-    def _read_plan(self, owner: str, wants: list[Want]) -> ReadPlan:
-        """A whole plan of the same wants of this version of the owner's chunks, else a new one."""
-        key = (owner, self.placement.version(owner) or 0, tuple(wants))
-        with self._plans_lock:
-            plan = self._plans.get(key)
-            if plan is not None and plan.reusable:
-                self._plans.move_to_end(key)
-                return plan
-        index, version = self.placement.versioned_index(owner)
-        cfg = self.cfg
-        sizes = {s.slab: s.slot_bytes for s in self.shapes.values()}
-        plan = ReadPlan(owner, wants, index, sizes, cfg.max_request_bytes, cfg.first_request_bytes, cfg.request_layers)
-        with self._plans_lock:
-            self._plans[(owner, version, tuple(wants))] = plan
-            while len(self._plans) > READ_PLANS_KEPT:
-                self._plans.popitem(last=False)
-        return plan
 
     def read_chunk(self, owner: str, layer: int, idx: int, kind: Kind) -> torch.Tensor:
         """One whole chunk (all 64 rows of its slot), checked."""
-        return read_chunk(self.placement, self.shapes[kind], self.stats, owner, layer, idx)
+        return self.placement.read_chunk(self.shapes[kind], self.stats, owner, layer, idx)
 
     def set_read_cap(self, gbps: float) -> None:
         """Cap restore reads at `gbps` GB/s (0 lifts the cap)."""
