@@ -78,25 +78,36 @@ inline void prefetch_row(const at::BFloat16* k, const at::BFloat16* v, int64_t d
 }
 
 #ifndef __AVX512BF16__
-// o[4][NE vectors] = o * alpha + P V over `nk2` keys (an even count), the pair's odd key
+// o[NR][NE vectors] = o * alpha + P V over `nk2` keys (an even count), the pair's odd key
 // first as `vdpbf16ps` adds it; `p` [keys][rows] with row stride `ps`, `vf` [keys][D].
-template <int NE>
+template <int NR, int NE>
 inline void pv_tile(float* o, int64_t d, const float* al, const float* p, int64_t ps, const float* vf, int64_t nk2) {
-  __m512 acc[4][NE];
-  for (int a = 0; a < 4; ++a)
+  __m512 acc[NR][NE];
+  for (int a = 0; a < NR; ++a)
     for (int b = 0; b < NE; ++b) acc[a][b] = _mm512_mul_ps(_mm512_load_ps(o + a * d + 16 * b), _mm512_set1_ps(al[a]));
   for (int64_t j = 0; j < nk2; j += 2) {
     for (int64_t key = j + 1; key >= j; --key) {
       __m512 vx[NE];
       for (int b = 0; b < NE; ++b) vx[b] = _mm512_load_ps(vf + key * d + 16 * b);
-      for (int a = 0; a < 4; ++a) {
+      for (int a = 0; a < NR; ++a) {
         const __m512 pb = _mm512_set1_ps(p[key * ps + a]);
         for (int b = 0; b < NE; ++b) acc[a][b] = _mm512_fmadd_ps(pb, vx[b], acc[a][b]);
       }
     }
   }
-  for (int a = 0; a < 4; ++a)
+  for (int a = 0; a < NR; ++a)
     for (int b = 0; b < NE; ++b) _mm512_store_ps(o + a * d + 16 * b, acc[a][b]);
+}
+
+// `nr` rows of o (an even count), as many at a time as the registers hold (NR * NE sums,
+// NE of V, P's broadcast): each V load then feeds more FMAs
+template <int NE>
+inline void pv_rows(float* o, int64_t d, const float* al, const float* p, int64_t ps, const float* vf, int64_t nk2,
+                    int64_t nr) {
+  constexpr int NR = NE >= 4 ? 6 : 8;
+  int64_t r = 0;
+  for (; r + NR <= nr; r += NR) pv_tile<NR, NE>(o + r * d, d, al + r, p + r, ps, vf, nk2);
+  for (; r < nr; r += 2) pv_tile<2, NE>(o + r * d, d, al + r, p + r, ps, vf, nk2);
 }
 #endif
 
@@ -292,13 +303,13 @@ void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const a
       }
     }
 #else
-    for (int64_t r = 0; r < R; r += 4) {
+    {
       int64_t e = 0;
-      for (; e + 4 <= dv; e += 4) pv_tile<4>(o + r * d + 16 * e, d, &al[r], &pf[0][r], R, &vf[16 * e], nk2);
+      for (; e + 4 <= dv; e += 4) pv_rows<4>(o + 16 * e, d, al, &pf[0][0], R, &vf[16 * e], nk2, R);
       switch (dv - e) {
-        case 3: pv_tile<3>(o + r * d + 16 * e, d, &al[r], &pf[0][r], R, &vf[16 * e], nk2); break;
-        case 2: pv_tile<2>(o + r * d + 16 * e, d, &al[r], &pf[0][r], R, &vf[16 * e], nk2); break;
-        case 1: pv_tile<1>(o + r * d + 16 * e, d, &al[r], &pf[0][r], R, &vf[16 * e], nk2); break;
+        case 3: pv_rows<3>(o + 16 * e, d, al, &pf[0][0], R, &vf[16 * e], nk2, R); break;
+        case 2: pv_rows<2>(o + 16 * e, d, al, &pf[0][0], R, &vf[16 * e], nk2, R); break;
+        case 1: pv_rows<1>(o + 16 * e, d, al, &pf[0][0], R, &vf[16 * e], nk2, R); break;
         default: break;
       }
     }

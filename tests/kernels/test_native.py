@@ -41,6 +41,7 @@ def inputs(t: int, s: int, heads: int, kv_heads: int, d: int, seed: int) -> tupl
         (70, 70, 9, 3, 64),  # a prompt: rows in 3 blocks, the last one partial
         (5, 1100, 4, 4, 128),  # multi-head, head dim 128, a span boundary inside
         (33, 300, 8, 2, 16),  # the tiny models' head dim
+        (17, 700, 6, 2, 80),  # a head dim of 5 vectors: P V in blocks of 4 and of 1
         (200, 3000, 9, 3, 64),  # a prefill chunk: blocks of rows that end mid-head-group
     ],
 )
