@@ -26,6 +26,7 @@ import types
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from hcache.kernels import COMPILE
 
@@ -36,6 +37,9 @@ CAL_ROWS = 4096  # compiled and eager forms are timed at this many rows (a resto
 
 
 def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == weight.dtype == torch.float32:
+        # the same ops and roundings, dispatched from C++: a turn's few rows pay per op
+        return F.rms_norm(x, weight.shape, weight, eps)
     # the reference's roundings (normalise in float32, scale in the model dtype), in place:
     # every temporary of a layer's rows is megabytes
     xf = x.to(torch.float32, copy=True)
