@@ -7,7 +7,8 @@ default model's unless told), in one run on this machine.
   page cache with posix_fadvise(DONTNEED) before it is loaded, so its load reads the disk.
 - transformers: prefill.
 - hcache: restore by auto, KV, H and RE from O_DIRECT storage, then the same new turn;
-  and the fused TTFT after eviction (restore + turn in one layer-wise pipeline).
+  and the fused TTFT after eviction (restore + turn in one layer-wise pipeline), each
+  round beside one of the turn over the context restored before it (the floor).
 - Decode: time between tokens at batch 1, aggregate tokens/s at batch 8 and 32.
 llama.cpp runs in a process of its own (`llamacpp.Peer`); the TTFT evictions and batch-1
 TBT alternate between the two systems round by round, so the VM's drift over minutes
@@ -113,11 +114,17 @@ def hcache_rows(
                     row["auto_plan"] = r.plan.layers
                 engine.delete(s.id)
             peer_row = {"system": "llama.cpp", "tokens": n} | (peer.call("prepare", doc[:n]) if peer else {})
-            ttfts, loads, turns = [], [], []
+            ttfts, resident, loads, turns = [], [], [], []
             for _ in range(EVICTION_ROUNDS):
                 s = engine.create_session(context_ids=[ctx.id])  # evicted session, new turn: restore fused
                 seq = engine.generate(s.id, token_ids=turn, params=one)
                 ttfts.append(_last_stats(engine, seq).ttft_ms)
+                engine.delete(s.id)
+                # the floor in the same phase of the VM: the turn with the context restored before it
+                s = engine.create_session(context_ids=[ctx.id])
+                engine.restore(s.id)
+                seq = engine.generate(s.id, token_ids=turn, params=one)
+                resident.append(_last_stats(engine, seq).ttft_ms)
                 engine.delete(s.id)
                 if peer:
                     load_ms, turn_ms = peer.call("load_turn", doc[:n], turn)
@@ -125,6 +132,8 @@ def hcache_rows(
                     turns.append(turn_ms)
             row["ttft_after_eviction_ms"] = statistics.median(ttfts)
             row["ttft_rounds_ms"] = ttfts
+            row["resident_turn_ms"] = statistics.median(resident)
+            row["resident_turn_rounds_ms"] = resident
             rows.append(row)
             print(f"hcache {n}: {row}", flush=True)
             if peer:
