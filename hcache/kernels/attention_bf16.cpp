@@ -278,7 +278,7 @@ void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const a
       }
     }
 #endif
-    // o = o * alpha + P V, 4 rows x D at a time
+    // o = o * alpha + P V, a block of rows x D at a time
     alignas(64) float al[R];
     for (int i = 0; i < RV; ++i) _mm512_store_ps(&al[16 * i], alpha[i]);
 #ifdef __AVX512BF16__
@@ -303,15 +303,13 @@ void span(const Shape& sh, const at::BFloat16* q, const at::BFloat16* k, const a
       }
     }
 #else
-    {
-      int64_t e = 0;
-      for (; e + 4 <= dv; e += 4) pv_rows<4>(o + 16 * e, d, al, &pf[0][0], R, &vf[16 * e], nk2, R);
-      switch (dv - e) {
-        case 3: pv_rows<3>(o + 16 * e, d, al, &pf[0][0], R, &vf[16 * e], nk2, R); break;
-        case 2: pv_rows<2>(o + 16 * e, d, al, &pf[0][0], R, &vf[16 * e], nk2, R); break;
-        case 1: pv_rows<1>(o + 16 * e, d, al, &pf[0][0], R, &vf[16 * e], nk2, R); break;
-        default: break;
-      }
+    int64_t e = 0;
+    for (; e + 4 <= dv; e += 4) pv_rows<4>(o + 16 * e, d, al, &pf[0][0], R, &vf[16 * e], nk2, R);
+    switch (dv - e) {
+      case 3: pv_rows<3>(o + 16 * e, d, al, &pf[0][0], R, &vf[16 * e], nk2, R); break;
+      case 2: pv_rows<2>(o + 16 * e, d, al, &pf[0][0], R, &vf[16 * e], nk2, R); break;
+      case 1: pv_rows<1>(o + 16 * e, d, al, &pf[0][0], R, &vf[16 * e], nk2, R); break;
+      default: break;
     }
 #endif
   }

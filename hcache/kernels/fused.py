@@ -37,8 +37,9 @@ CAL_ROWS = 4096  # compiled and eager forms are timed at this many rows (a resto
 
 
 def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == weight.dtype == torch.float32:
-        # the same ops and roundings, dispatched from C++: a turn's few rows pay per op
+    if x.dtype == weight.dtype == torch.float32 and x.shape[0] < MIN_ROWS:
+        # the same ops and roundings, dispatched from C++: a turn's few rows pay per op (its
+        # temporaries are not in place, which more rows than these would feel)
         return F.rms_norm(x, weight.shape, weight, eps)
     # the reference's roundings (normalise in float32, scale in the model dtype), in place:
     # every temporary of a layer's rows is megabytes
