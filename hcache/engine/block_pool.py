@@ -174,23 +174,24 @@ class PagedCache(Lender):
         return self.pool.kv[layer][rows]
 
     def layer_kv(self, layer: int, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self.length if n is None else n
-        rows = self._span(0, n)
+        return self._kv(layer, 0, self.length if n is None else n)
+
+    def kv_rows(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s K and V of positions start..start+n, `[n, kv_dim]` each."""
+        k, v = self._kv(layer, start, n)
+        return k.view(n, -1), v.view(n, -1)
+
+    def _kv(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions start..start+n: views of the pool where its blocks lie in a
+        row (no gather per layer of a turn), else copies."""
+        rows = self._span(start, n)
         if isinstance(rows, slice):
             return self.pool.k[layer][rows], self.pool.v[layer][rows]
         return self.pool.k[layer].index_select(0, rows), self.pool.v[layer].index_select(0, rows)
 
-    def kv_rows(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s K and V of positions start..start+n, `[n, kv_dim]` each: views of
-        the pool where its blocks lie in a row (no gather per layer of a turn), else copies."""
-        span = self._span(start, n)
-        k, v = self.pool.k[layer], self.pool.v[layer]
-        if isinstance(span, slice):
-            return k[span].view(n, -1), v[span].view(n, -1)
-        return k.index_select(0, span).view(n, -1), v.index_select(0, span).view(n, -1)
-
     def rows(self, start: int, n: int) -> torch.Tensor:
-        """Pool rows of positions start..start+n (for copying new K/V out to the saver)."""
+        """Pool rows of positions start..start+n (where a decode step's new K/V go, and the
+        keys it gathers)."""
         span = self._span(start, n)
         if isinstance(span, slice):
             return torch.arange(span.start, span.stop, device=self.pool.device)
