@@ -69,7 +69,9 @@ def linear_into(x: torch.Tensor, lin: nn.Module, out: torch.Tensor | None = None
     if out is None:
         return lin(x)
     dst = out.view(x.shape[0], -1)
-    if not isinstance(lin, nn.Linear):  # a packed low-bit kernel has no out=
+    # a packed low-bit kernel has no out=; on CUDA, addmm into a strided out= (a V half of the
+    # cache's rows) rounds otherwise than `lin(x)`: there the result is computed, then copied
+    if not isinstance(lin, nn.Linear) or x.device.type != "cpu":
         return dst.copy_(lin(x))
     if lin.bias is None:
         return torch.mm(x, lin.weight.t(), out=dst)

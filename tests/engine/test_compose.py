@@ -66,7 +66,7 @@ def test_an_exact_composition_is_a_prefill_and_leads_the_next(tiny, tmp_path):
 def _kv(model, ids: list[int]) -> KVCache:
     cache = KVCache(model.cfg, model.dtype, model.device)
     with torch.no_grad():
-        model(torch.tensor(ids), torch.arange(len(ids)), cache)
+        model(torch.tensor(ids, device=model.device), torch.arange(len(ids), device=model.device), cache)
     return cache
 
 
