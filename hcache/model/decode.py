@@ -312,16 +312,29 @@ class DecodeGraph:
             # two values of each size, none equal to another (nor 0 or 1, nor a pool's
             # dimension), so that none is compiled as a constant or assumed equal to another:
             # a batch of 2 over 2 key blocks would compile a graph for batches of as many
-            # sequences as blocks, and serving would meet no other again
+            # sequences as blocks, and serving would meet no other again; a batch as large
+            # as a pool dimension (its K/V axis of 2) compiles that size alone, then again
             for first, length in ((5, 100), (7, 130)):
                 self([0], [length], [length], [list(range(first, first + 3))], kv)
-            for n, length, pos in ((2, 200, 100), (5, 350, 130)):  # 4 and 6 key blocks
-                cols = key_width(length + 1) // BLOCK_TOKENS
+            n1, n2, c1, c2 = _sizes_apart(set(shape), 4)
+            for n, cols in ((n1, c1), (n2, c2)):
+                length = cols * BLOCK_TOKENS - 20  # its new token's row in the last block
                 # (positions apart from lengths: a learned position table may be shorter)
-                self([0] * n, [pos] * n, [length] * n, [list(range(1, 1 + cols))] * n, kv)
+                self([0] * n, [length // 2] * n, [length] * n, [list(range(1, 1 + cols))] * n, kv)
         took = time.perf_counter() - t0
         log.info("decode step compiled in %.1f s", took)
         return took
+
+
+def _sizes_apart(taken: set[int], k: int) -> list[int]:
+    """The `k` smallest sizes from 3 up that are not in `taken`."""
+    out: list[int] = []
+    n = 3
+    while len(out) < k:
+        if n not in taken:
+            out.append(n)
+        n += 1
+    return out
 
 
 def _powers(most: int) -> list[int]:
