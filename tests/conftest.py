@@ -4,6 +4,7 @@ and tiny random-weight Llama (MHA, GQA + Llama-3 RoPE), Qwen2 (q/k/v bias) and O
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import zlib
@@ -135,16 +136,34 @@ class WarmServed:
     warmed: int  # graphs compiled right after `warm`: any later one is a compile during serving
 
 
+SERVED_LAYERS = 4  # the compiled step's claims hold at any depth; its compile time grows with it
+
+
+def first_layers(model: DecoderModel, n: int) -> DecoderModel:
+    """`model` cut to its first `n` layers, in place: the head follows layer n-1."""
+    model.layers = model.layers[:n]
+    model.cfg = dataclasses.replace(model.cfg, num_layers=n)
+    return model
+
+
 @pytest.fixture(scope="session")
-def served_default() -> WarmServed:
+def served_model() -> DecoderModel:
     """The default model as `hcache serve` loads it (`--weights auto`: int4 weights, fused
-    projections, the oneDNN head) and its decode step compiled by `DecodeGraph.warm` over a
-    bfloat16 pool, once: its 30 layers' graphs take a minute or more to compile cold, and
-    every later `DecodeGraph` of the model (an engine's) shares them. Tests that call the
-    graph check that nothing compiled since the warm-up."""
+    projections, the packed int8 head)."""
     if torch.device(DEVICE).type != "cpu":
         pytest.skip("int4 weights run on CPUs")
-    model = load("default", "float32", weights="auto").model
+    return load("default", "float32", weights="auto").model
+
+
+@pytest.fixture(scope="session")
+def served_default() -> WarmServed:
+    """The served default model's first `SERVED_LAYERS` layers and head, and its decode step
+    compiled by `DecodeGraph.warm` over a bfloat16 pool, once: compiling all 30 layers takes
+    minutes cold, and every later `DecodeGraph` of the model (an engine's) shares these
+    graphs. Tests that call the graph check that nothing compiled since the warm-up."""
+    if torch.device(DEVICE).type != "cpu":
+        pytest.skip("int4 weights run on CPUs")
+    model = first_layers(load("default", "float32", weights="auto").model, SERVED_LAYERS)
     graph = DecodeGraph(model)
     graph.warm(torch.bfloat16)
     return WarmServed(model, graph, graph.graphs())

@@ -100,10 +100,11 @@ def test_a_store_of_the_other_kv_dtype_is_refused(tmp_path, tiny_folder):
 
 
 def test_the_serving_default_matches_its_reference(served_default, tmp_path):
-    """The default model as `hcache serve` serves it (`--weights auto`: int4 weights, fused
-    projections, the packed int8 head; `--kv-dtype auto`: a bfloat16 KV pool; the compiled decode
-    step): two sessions decoding together, then turns after KV, H and RE restores, give the
-    greedy tokens of a never-evicted eager run over a bfloat16 cache (RE up to near-ties)."""
+    """The default model as `hcache serve` serves it, cut to its first layers (conftest's
+    `served_default`; `--weights auto`: int4 weights, fused projections, the packed int8 head;
+    `--kv-dtype auto`: a bfloat16 KV pool; the compiled decode step): two sessions decoding
+    together, then turns after KV, H and RE restores, give the greedy tokens of a never-evicted
+    eager run over a bfloat16 cache (RE up to near-ties)."""
     model = served_default.model
     assert model.layers[0].wqkv is not None and model.lm_head.is_packed
     tok = word_tokenizer(model.cfg.vocab_size)

@@ -84,11 +84,11 @@ def test_int4_stays_close_to_the_float_oracle_in_bfloat16(default_model, int4_mo
     stays_close(default_model, int4_model.model, None, 4.0)
 
 
-def test_int4_stays_close_to_the_float_oracle_as_served(default_model, served_default):
+def test_int4_stays_close_to_the_float_oracle_as_served(default_model, served_model):
     """As served (`--weights auto --kv-dtype auto` in float32: int4 weights over a bfloat16
     KV cache): every logit within 3.0 of the oracle's, 90% of greedy tokens the same,
     perplexity within 1%."""
-    stays_close(default_model, served_default.model, torch.bfloat16, 3.0)
+    stays_close(default_model, served_model, torch.bfloat16, 3.0)
 
 
 def stays_close(default_model, model, kv, tolerance: float) -> None:
