@@ -62,7 +62,9 @@ def test_the_warm_graphs_serve_any_batch_over_any_width(served_default):
     graphs: serving refuses to compile later (`serve_compiled_only`), and a graph that took
     a batch's size for its width (as the default model's did, warmed with 2 sequences over 2
     blocks) left every other batch to run eager. The session's warmed served model: a graph
-    compiled since its warm-up, by this test's calls or another test's, fails it."""
+    compiled since its warm-up, by this test's calls or another test's, fails it. The warm-up
+    itself compiles one graph per step function: none specialized to a size, then again."""
+    assert served_default.warmed == 2
     graph = served_default.graph
     pool = BlockPool(served_default.model.cfg, torch.bfloat16, "cpu", 40)
     with torch.compiler.set_stance("fail_on_recompile"):
