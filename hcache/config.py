@@ -96,6 +96,9 @@ class EngineConfig:
         "on a CPU, serve with eager decode steps while the compiled step compiles on a thread of its own "
         "(/readyz is 503 until it serves); off: compile before serving",
     )
+    prefault_pool: bool = setting(
+        True, "fault the KV pool's pages in at start, on a thread beside serving; off: each on its first use"
+    )
     piece_tokens: int = setting(512, "prefill runs in pieces of this many tokens")
     prefill_slice_ms: float = setting(25.0, "restore/prefill time per engine step while others decode")
     default_max_new_tokens: int = setting(256, "max_new_tokens of a request that gives none")

@@ -5,7 +5,10 @@ benchmarks imports no torch)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import mmap
+import sys
 
 HUGE_PAGE = 2 << 20
 
@@ -34,3 +37,28 @@ def hugepage_later(buf: mmap.mmap) -> None:
     if len(buf) >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):  # kernels without THP: 4 KB pages work, only slower
             buf.madvise(mmap.MADV_HUGEPAGE)
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+ (mmap's constant is missing from older Pythons)
+
+
+def populate(addr: int, nbytes: int) -> bool:
+    """Fault in the pages of `nbytes` of private memory at `addr` as writable, leaving their
+    contents as they are (so it may run beside code that uses them). False where the kernel
+    cannot (before 5.14, not Linux): the pages then fault on first use, as before."""
+    libc = _libc()
+    if libc is None or nbytes <= 0:
+        return False
+    return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), MADV_POPULATE_WRITE) == 0
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc

@@ -57,7 +57,9 @@ def make_engine(
     store = ChunkStore(
         StorageConfig([str(d) for d in dirs], **(storage or {})), model.cfg, model.dtype, str(model.device), kv_dtype
     )
-    ecfg = EngineConfig(**{"store_kinds": "both", "kv_budget_bytes": 64 << 20, "compile_in_background": False, **cfg})  # type: ignore[arg-type]
+    # tests' many small engines fault their pools in on use (tests/engine/test_pool_prefault.py tests the prefault)
+    base = {"store_kinds": "both", "kv_budget_bytes": 64 << 20, "compile_in_background": False, "prefault_pool": False}
+    ecfg = EngineConfig(**{**base, **cfg})  # type: ignore[arg-type]
     sharing = ClusterSharing(cluster) if cluster is not None else sharing
     return Engine(model, tok, store, profile_for(model), ecfg, sharing=sharing), store
 

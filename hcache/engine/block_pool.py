@@ -8,9 +8,11 @@ as one run where possible: a contiguous table is read as a view, not gathered.""
 from __future__ import annotations
 
 import bisect
+import threading
 
 import torch
 
+from hcache.memory import populate
 from hcache.model.attention import causal_attention, key_width
 from hcache.model.base import DecoderModel
 from hcache.model.cache import Lender, landed, zeros_for_reads
@@ -27,12 +29,17 @@ def resident_kv_dtype(choice: str, model: DecoderModel) -> torch.dtype:
     return model.dtype if choice == "model" else getattr(torch, choice)
 
 
+POPULATE_SLICE = 32 << 20  # bytes of each layer's rows faulted in before the next layer's
+
+
 class OutOfBlocks(Exception):
     """The pool has fewer free blocks than asked for."""
 
 
 class BlockPool:
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, num_blocks: int):
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, num_blocks: int, prefault: bool = False
+    ):
         if num_blocks < 1:
             raise ValueError("the block pool needs at least one block")
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
@@ -41,9 +48,27 @@ class BlockPool:
         # token-major per layer, each token's K row then its V row, as a stored chunk holds
         # them: a block is rows b*64 .. b*64+63, and a chunk read lands in it as it is
         self.kv = [zeros_for_reads(shape, dtype, self.device) for _ in range(cfg.num_layers)]
+        self.populated = threading.Event()  # set once the pages are in (or can't be put in)
+        if prefault and self.device.type == "cpu":
+            threading.Thread(target=self._populate, name="hcache-pool", daemon=True).start()
+        else:
+            self.populated.set()
         self.k = [kv[:, 0] for kv in self.kv]
         self.v = [kv[:, 1] for kv in self.kv]
         self._free: list[int] = list(range(num_blocks))  # sorted
+
+    def _populate(self) -> None:
+        """Fault the pool's pages in, every layer's lowest rows first (blocks are handed out
+        lowest-first), beside the engine: a first write into a fresh huge page zeroes and
+        compacts it, which made a turn over rows no session had used a quarter longer."""
+        try:
+            n = self.kv[0].numel() * self.kv[0].element_size()
+            for start in range(0, n, POPULATE_SLICE):
+                for kv in self.kv:
+                    if not populate(kv.data_ptr() + start, min(POPULATE_SLICE, n - start)):
+                        return
+        finally:
+            self.populated.set()
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, dtype: torch.dtype) -> int:

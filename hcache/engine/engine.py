@@ -67,7 +67,8 @@ class Engine:
         if store.kv_dtype != kv_dtype:  # KV restores place the stored bits as they are
             raise ValueError(f"the store keeps KV in {store.kv_dtype}, the engine's KV is {kv_dtype}")
         per_block = BlockPool.bytes_per_block(model.cfg, kv_dtype)
-        self.pool = BlockPool(model.cfg, kv_dtype, model.device, max(1, self.cfg.kv_budget_bytes // per_block))
+        blocks = max(1, self.cfg.kv_budget_bytes // per_block)
+        self.pool = BlockPool(model.cfg, kv_dtype, model.device, blocks, self.cfg.prefault_pool)
         kinds = layer_kinds_for(self.cfg.store_kinds, model, profile, self.cfg.plan_tokens, store.kv_dtype)
         # read buffers for the longest session the KV budget can hold (any restore keeps that
         # many pooled after it), so that no restore pays for fresh memory
