@@ -59,8 +59,8 @@ class BlockPool:
 
     def _populate(self) -> None:
         """Fault the pool's pages in, every layer's lowest rows first (blocks are handed out
-        lowest-first), beside the engine: a first write into a fresh huge page zeroes and
-        compacts it, which made a turn over rows no session had used a quarter longer."""
+        lowest-first), beside the engine: else a turn's first write into a fresh huge page
+        zeroes it, and compacts memory first, inside the turn."""
         try:
             n = self.kv[0].numel() * self.kv[0].element_size()
             for start in range(0, n, POPULATE_SLICE):
