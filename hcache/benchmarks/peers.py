@@ -350,14 +350,10 @@ def machine() -> dict[str, Any]:
         except md.PackageNotFoundError:
             return "-"
 
-    cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("model name")
-        ),
-        platform.processor(),
-    )
+    info = _cpuinfo()
+    cpu = info.get("model name", platform.processor())
+    if "cpu family" in info and "model" in info:  # "AMD EPYC" alone names no generation
+        cpu += f" (family {info['cpu family']} model {info['model']})"
     caps = {
         k: os.environ[k]
         for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
@@ -385,3 +381,11 @@ def machine() -> dict[str, Any]:
         "hcache": ver("hcache"),
         "date": time.strftime("%Y-%m-%d"),
     }
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (none where there is no such file)."""
+    path = Path("/proc/cpuinfo")
+    text = path.read_text().split("\n\n", 1)[0] if path.exists() else ""
+    pairs = (ln.split(":", 1) for ln in text.splitlines() if ":" in ln)
+    return {k.strip(): v.strip() for k, v in pairs}
