@@ -77,7 +77,7 @@ def render(results: Path, bench_dir: Path) -> str:
 def _restore_model(data: dict, stem: str) -> list[str]:
     """`hcache bench restore --models NAME` on another model: each method against the
     planner's prediction, and what a restore saves against recomputing the context."""
-    rows = [r for r in data["rows"] if not r["cap_gbps"]]
+    rows = [r for r in data["rows"] if not r["cap_gbps"] and r["dirs"] == 1]  # a run may also have more dirs and caps
     model = rows[0]["model"] if rows else stem
     out = [
         f"## Restore methods on {model} (`bench/results/{stem}.json`)",
