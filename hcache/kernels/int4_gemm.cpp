@@ -36,7 +36,7 @@ constexpr int64_t FEW = 1;      // up to these rows, one tile: the weights then 
 // and as many float32 ones, which the compiler keeps partly in L1, touched once a group; each
 // tile's nibbles are split once for 8 rows rather than 4
 constexpr int MR_MAX = 8;
-constexpr int64_t AHEAD = 512;  // bytes of each tile's stream prefetched ahead of use
+constexpr int64_t AHEAD = 2048;  // bytes of each tile's stream prefetched ahead: a row's step waits on DRAM latency
 
 // `q` [N, K] in 0..15 -> uint8 [ceil(N/16), K/8, 16, 4]: tile t, pair p holds rows
 // 16t..16t+15, inputs 8p..8p+3 in the low nibbles and 8p+4..8p+7 in the high ones

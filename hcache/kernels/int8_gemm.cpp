@@ -33,7 +33,7 @@ namespace {
 constexpr int64_t LANES = 16;  // output rows per tile
 constexpr int NR = 3;          // tiles a micro-kernel streams at once
 constexpr int MR_MAX = 8;      // activation rows it holds: NR * MR_MAX accumulators
-constexpr int64_t AHEAD = 512;  // bytes of each tile's stream prefetched ahead of use
+constexpr int64_t AHEAD = 2048;  // bytes of each tile's stream prefetched ahead: a row's step waits on DRAM latency
 constexpr int64_t ACT_BLOCK = 256 * 1024;  // bytes of activation rows a thread keeps in L2
 
 // `w` [N, K] int8 -> [ceil(N/16), K/4, 16, 4]: tile t, step k holds rows 16t..16t+15 at
