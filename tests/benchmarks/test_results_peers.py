@@ -1,7 +1,7 @@
 """RESULTS.md's targets tables from a peers run: ratios at the largest context, and the
 real-model goals at 4K where a run has that row too."""
 
-from hcache.benchmarks.results_peers import _targets
+from hcache.benchmarks.results_peers import _machine_line, _targets
 
 
 def run(contexts: list[int]) -> dict:
@@ -41,3 +41,13 @@ def test_a_missed_target_says_no():
     peers = run([4096])
     peers["rows"][0]["ttft_after_eviction_ms"] = 50.0
     assert table(_targets(peers))["TTFT after eviction <= 0.4x llama.cpp load + turn"] == ("0.500", "no")
+
+
+def test_the_machine_line_names_the_cpu_and_its_kind_once_each():
+    m = {"cores": 2, "memory_gb": 25.3, "python": "3.11", "torch": "2.13", "llama-cpp-python": "0.3"}
+    m |= {"transformers": "5", "date": "2026-11-29", "cpu_kind": "avx512_bf16"}
+    line = _machine_line({"machine": m | {"cpu": "AMD EPYC (family 26 model 2)"}})
+    assert line.startswith("AMD EPYC (family 26 model 2; CPU kind avx512_bf16), 2 cores, 25 GB;")
+    caps = {"ATEN_CPU_CAPABILITY": "avx2"}
+    line = _machine_line({"machine": m | {"cpu": "Intel Xeon", "caps": caps}})
+    assert line.startswith("Intel Xeon (CPU kind avx512_bf16, ATEN_CPU_CAPABILITY=avx2), 2 cores")
