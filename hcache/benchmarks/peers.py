@@ -351,9 +351,8 @@ def machine() -> dict[str, Any]:
             return "-"
 
     info = _cpuinfo()
-    cpu = info.get("model name", platform.processor())
-    if "cpu family" in info and "model" in info:  # "AMD EPYC" alone names no generation
-        cpu += f" (family {info['cpu family']} model {info['model']})"
+    # "AMD EPYC" alone names no generation: its family and model do
+    family = f"family {info['cpu family']} model {info['model']}" if "cpu family" in info and "model" in info else None
     caps = {
         k: os.environ[k]
         for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
@@ -366,7 +365,8 @@ def machine() -> dict[str, Any]:
     except Exception:
         llama_isa = "-"
     return {
-        "cpu": cpu,
+        "cpu": info.get("model name", platform.processor()),
+        "cpu_family": family,
         "cpu_kind": kernels_cpu().kind,  # as hcache's kernels see it (capped by `caps`)
         "kernels": kernels_cpu().paths(),
         "caps": caps,

@@ -182,10 +182,9 @@ def _eviction_rounds(rows: list[dict]) -> str:
 def _machine_line(peers: dict) -> str:
     m = peers["machine"]
     kind = f"CPU kind {m.get('cpu_kind', 'not recorded')}" + "".join(f", {k}={v}" for k, v in m.get("caps", {}).items())
-    # a CPU named with its family in brackets ("AMD EPYC (family 26 model 2)") takes the kind inside them
-    cpu = f"{m['cpu'][:-1]}; {kind})" if m["cpu"].endswith(")") else f"{m['cpu']} ({kind})"
+    ident = "; ".join(x for x in (m.get("cpu_family"), kind) if x)
     return (
-        f"{cpu}, {m['cores']} cores, {m['memory_gb']:.0f} GB; Python {m['python']}, torch {m['torch']}, "
+        f"{m['cpu']} ({ident}), {m['cores']} cores, {m['memory_gb']:.0f} GB; Python {m['python']}, torch {m['torch']}, "
         f"llama-cpp-python {m['llama-cpp-python']}, transformers {m['transformers']}; run {m['date']}."
     )
 

@@ -46,7 +46,7 @@ def test_a_missed_target_says_no():
 def test_the_machine_line_names_the_cpu_and_its_kind_once_each():
     m = {"cores": 2, "memory_gb": 25.3, "python": "3.11", "torch": "2.13", "llama-cpp-python": "0.3"}
     m |= {"transformers": "5", "date": "2026-11-29", "cpu_kind": "avx512_bf16"}
-    line = _machine_line({"machine": m | {"cpu": "AMD EPYC (family 26 model 2)"}})
+    line = _machine_line({"machine": m | {"cpu": "AMD EPYC", "cpu_family": "family 26 model 2"}})
     assert line.startswith("AMD EPYC (family 26 model 2; CPU kind avx512_bf16), 2 cores, 25 GB;")
     caps = {"ATEN_CPU_CAPABILITY": "avx2"}
     line = _machine_line({"machine": m | {"cpu": "Intel Xeon", "caps": caps}})
