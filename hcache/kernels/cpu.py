@@ -56,6 +56,7 @@ class Cpu:
     amx: bool  # AMX tiles (torch's flash kernel and oneDNN use them)
     int8_vnni: bool  # oneDNN's int8 GEMM sums byte products in 32 bits (VNNI or AMX)
     vnni: bool = False  # AVX512-VNNI, for our own int8 kernel
+    avx2: bool = False  # AVX2 and FMA (torch's AVX2 kernels or better), for our kernels' AVX2 forms
 
     @property
     def kind(self) -> str:
@@ -100,10 +101,13 @@ class Cpu:
         """The kernel each hot path runs here, by name."""
         library = "onednn-int8" if torch.backends.mkldnn.is_available() else "int8pack"
         int8 = "native-vnni" if COMPILE and self.vnni else f"{library}-a{self.head_activation_bits}"
+        int4 = f"int4pack-{self.aten.lower()}"
+        if COMPILE and (self.vnni or self.avx2):
+            int4 = "native-vnni" if self.vnni else "native-avx2"
         return {
             "cpu": self.kind,
             "aten": self.aten.lower(),
-            "int4_linear": "native-vnni" if COMPILE and self.vnni else f"int4pack-{self.aten.lower()}",
+            "int4_linear": int4,
             "int8_linear": int8,
             "lm_head": int8,
             "attention": self._attention_form(),
@@ -121,4 +125,6 @@ def cpu() -> Cpu:
     bf16 = avx512 and torch.cpu._is_avx512_bf16_supported()
     vnni_hw = torch.cpu._is_vnni_supported() or amx
     vnni_dnn = _onednn_allows("AVX512_CORE_VNNI" if avx512 else "AVX2_VNNI")
-    return Cpu(arch, aten, avx512, bf16, amx, x86 and vnni_hw and vnni_dnn, avx512 and torch.cpu._is_vnni_supported())
+    vnni = avx512 and torch.cpu._is_vnni_supported()
+    avx2 = x86 and (avx512 or aten == "AVX2")
+    return Cpu(arch, aten, avx512, bf16, amx, x86 and vnni_hw and vnni_dnn, vnni, avx2)

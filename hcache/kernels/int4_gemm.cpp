@@ -1,6 +1,6 @@
 // Float32 or bfloat16 activations, quantized inside the call to two int8 passes, times 4-bit
-// weight groups with AVX512-VNNI (`vpdpbusd`): the int4 linears of a decode step, a turn and
-// a prefill.
+// weight groups with AVX512-VNNI (`vpdpbusd`), or with AVX2 where it lacks (the same
+// integers, below): the int4 linears of a decode step, a turn and a prefill.
 //
 // torch's int4 kernel widens each weight to float32 and multiplies with FMAs: at one row it
 // streams the weights at under half the machine's read rate, and at 32 rows it is bound by
@@ -30,12 +30,18 @@ namespace {
 
 constexpr int64_t LANES = 16;   // output rows per tile
 constexpr int64_t GROUP = 32;   // inputs per scale and zero
-constexpr int NR_MAX = 2;       // tiles a micro-kernel streams at once, past FEW rows
 constexpr int64_t FEW = 1;      // up to these rows, one tile: the weights then stream in order
+#ifdef __AVX512VNNI__
+constexpr int NR_MAX = 2;  // tiles a micro-kernel streams at once, past FEW rows
 // activation rows it holds (both passes of 4 rows): NR_MAX * MR_MAX int32 sums in registers,
 // and as many float32 ones, which the compiler keeps partly in L1, touched once a group; each
 // tile's nibbles are split once for 8 rows rather than 4
 constexpr int MR_MAX = 8;
+#else
+// AVX2's 16 registers: a tile's two halves (8 rows each) as int16 sums for 4 activation rows
+constexpr int NR_MAX = 1;
+constexpr int MR_MAX = 4;
+#endif
 constexpr int64_t AHEAD = 2048;  // bytes of each tile's stream prefetched ahead: a row's step waits on DRAM latency
 
 // `q` [N, K] in 0..15 -> uint8 [ceil(N/16), K/8, 16, 4]: tile t, pair p holds rows
@@ -72,6 +78,7 @@ struct Operands {
   int64_t m, k, n, tiles;
 };
 
+#ifdef __AVX512VNNI__
 // rows r..r+P of the activations, both passes of each (rows i and m + i), against tiles
 // t0..t0+nt (nt <= NR): the two passes' sums meet as `y1 * s1 + y2 * s2` in registers.
 // WHOLE (nt == NR, every group but perhaps the last) makes the tile tests compile away: a
@@ -147,6 +154,69 @@ void micro(const Operands& o, int64_t r, int64_t t0, int nt_) {
     }
 }
 
+#else
+// The same sums with AVX2 (`vpmaddubsw`): a nibble times an int8 activation, summed in pairs
+// into 16 bits, is at most 2 * 15 * 127; a group's 8 such pairs per lane stay within 16 bits,
+// so the group sums in 16-bit lanes exactly and widens once (`vpmaddwd`), to the VNNI form's
+// integers. The floating-point steps are the VNNI form's, lane for lane: the same bits.
+template <int P, int NR, bool WHOLE>
+void micro(const Operands& o, int64_t r, int64_t t0, int) {
+  static_assert(NR == 1, "one tile at a time in AVX2's registers");
+  constexpr int MR = 2 * P;
+  int64_t row[MR];
+  for (int p = 0; p < P; ++p) row[2 * p] = r + p, row[2 * p + 1] = o.m + r + p;
+  const int64_t groups = o.k / GROUP;
+  const uint8_t* wt = o.w + t0 * (o.k * LANES / 2);
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+  const int64_t left = std::min<int64_t>(LANES, o.n - t0 * LANES);
+  __m256i mask[2];
+  for (int h = 0; h < 2; ++h)
+    mask[h] = _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(left - 8 * h)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256 sum[MR][2];
+  for (int m = 0; m < MR; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i acc[MR][2];
+    for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+    for (int64_t p = g * GROUP / 8; p < (g + 1) * GROUP / 8; ++p) {
+      _mm_prefetch(reinterpret_cast<const char*>(wt + p * 64 + AHEAD), _MM_HINT_T0);
+      __m256i lo[2], hi[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + p * 64 + 32 * h));
+        lo[h] = _mm256_and_si256(v, low);
+        hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const int32_t* four = reinterpret_cast<const int32_t*>(o.a + row[m] * o.k + p * 8);
+        const __m256i a0 = _mm256_set1_epi32(four[0]), a1 = _mm256_set1_epi32(four[1]);
+        for (int h = 0; h < 2; ++h)
+          acc[m][h] = _mm256_add_epi16(acc[m][h],
+                                       _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], a0), _mm256_maddubs_epi16(hi[h], a1)));
+      }
+    }
+    _mm_prefetch(reinterpret_cast<const char*>(o.sz + g * o.n + std::min(t0 + 1, o.tiles - 1) * LANES), _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_maskload_epi32(reinterpret_cast<const int*>(o.sz + g * o.n + t0 * LANES + 8 * h), mask[h]);
+      const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+      for (int m = 0; m < MR; ++m) {
+        const int64_t i = row[m] * groups + g;
+        const __m256i whole = _mm256_madd_epi16(acc[m][h], ones);
+        const __m256i centred = _mm256_sub_epi32(whole, _mm256_set1_epi32(o.asum[i]));
+        sum[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), scale, sum[m][h]);
+        sum[m][h] = _mm256_fmadd_ps(_mm256_set1_ps(o.asumf[i]), zero, sum[m][h]);
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int p = 0; p < P; ++p) {
+      const __m256 f = _mm256_add_ps(_mm256_mul_ps(sum[2 * p][h], _mm256_set1_ps(o.ascale[row[2 * p]])),
+                                     _mm256_mul_ps(sum[2 * p + 1][h], _mm256_set1_ps(o.ascale[row[2 * p + 1]])));
+      _mm256_maskstore_ps(o.out + (r + p) * o.n + t0 * LANES + 8 * h, mask[h], f);
+    }
+}
+#endif
+
 // `x @ w.T`, float32 [M, N], for float32 or bfloat16 x [M, K] and the int4 groups `w = (q - 8) * scale +
 // zero` of [N, K], the nibbles packed by `pack`, scale_zeros bfloat16 [K / 32, N, 2]. Each row
 // of x is quantized on its own in two int8 passes (act_quant.h), and the two results meet as
@@ -218,18 +288,26 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 
 }  // namespace
 
-TORCH_LIBRARY(hcache_int4, lib) {
+#ifdef __AVX512VNNI__
+#define HCACHE_NS hcache_int4
+#else
+#define HCACHE_NS hcache_int4_avx2
+#endif
+#define LIBRARY(ns, lib) TORCH_LIBRARY(ns, lib)
+#define LIBRARY_IMPL(ns, key, lib) TORCH_LIBRARY_IMPL(ns, key, lib)
+
+LIBRARY(HCACHE_NS, lib) {
   lib.def("pack(Tensor q) -> Tensor");
   lib.def("int4_linear(Tensor x, Tensor w, Tensor scale_zeros) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(hcache_int4, CPU, lib) {
+LIBRARY_IMPL(HCACHE_NS, CPU, lib) {
   lib.impl("pack", &pack);
   lib.impl("int4_linear", &int4_linear);
 }
 
 // shapes only, for tracing: symbolic, so a compiled graph serves every row count
-TORCH_LIBRARY_IMPL(hcache_int4, Meta, lib) {
+LIBRARY_IMPL(HCACHE_NS, Meta, lib) {
   lib.impl("int4_linear", [](const at::Tensor& x, const at::Tensor&, const at::Tensor& scale_zeros) {
     return at::empty_symint({x.sym_size(0), scale_zeros.sym_size(1)}, x.options().dtype(at::kFloat));
   });

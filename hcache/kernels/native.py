@@ -18,7 +18,7 @@ rate at a batch's sizes.
 the weights to float32, which is FMA-bound at a batch's rows and streams at under half the
 read rate at one.
 
-Each is None when the CPU lacks its instructions (`Cpu.bf16`, `Cpu.vnni`, `Cpu.avx512`), when building
+Each is None when the CPU lacks its instructions (`Cpu.bf16`, `Cpu.vnni`, `Cpu.avx512`, `Cpu.avx2`), when building
 fails (logged once), or with `HCACHE_COMPILE=0`: callers keep their library path."""
 
 from __future__ import annotations
@@ -38,14 +38,15 @@ from hcache.kernels.cpu import cpu
 
 log = logging.getLogger(__name__)
 
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"]
+_FLAGS = ["-O3", "-mfma", "-fopenmp"]
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl"]
 DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 class _Kernel:
     """One source file's ops, built on the first `get` (or by `build_all`), once."""
 
-    def __init__(self, name: str, isa: str, op: str, runs_here: Callable[[], bool], source: str | None = None):
+    def __init__(self, name: str, isa: list[str], op: str, runs_here: Callable[[], bool], source: str | None = None):
         self.name, self.isa, self.op, self.runs_here = name, isa, op, runs_here
         self.source = source or name
         self._lock = threading.Lock()
@@ -62,20 +63,28 @@ class _Kernel:
         return self._op
 
 
-_ATTENTION = _Kernel("attention_bf16", "-mavx512bf16", "hcache_kernels.causal_attention_bf16", lambda: cpu().bf16)
+_ATTENTION = _Kernel(
+    "attention_bf16", [*_AVX512, "-mavx512bf16"], "hcache_kernels.causal_attention_bf16", lambda: cpu().bf16
+)
 # the same source without AVX512-BF16: its arithmetic from AVX-512F FMAs
 _ATTENTION_F = _Kernel(
     "attention_avx512",
-    "-mavx512dq",
+    [*_AVX512, "-mavx512dq"],
     "hcache_kernels_avx512.causal_attention_bf16",
     lambda: cpu().avx512,
     source="attention_bf16",
 )
-_INT8 = _Kernel("int8_gemm", "-mavx512vnni", "hcache_int8.int8_mm", lambda: cpu().vnni)
-_INT4 = _Kernel("int4_gemm", "-mavx512vnni", "hcache_int4.int4_linear", lambda: cpu().vnni)
-_DECODE = _Kernel("decode_attention", "-mavx512dq", "hcache_decode.decode_attention", lambda: cpu().avx512)
-_SERVED_ATTENTION = _ATTENTION if cpu().bf16 else _ATTENTION_F  # the form this CPU serves with
-KERNELS = (_INT8, _INT4, _SERVED_ATTENTION, _DECODE)
+_INT8 = _Kernel("int8_gemm", [*_AVX512, "-mavx512vnni"], "hcache_int8.int8_mm", lambda: cpu().vnni)
+_INT4 = _Kernel("int4_gemm", [*_AVX512, "-mavx512vnni"], "hcache_int4.int4_linear", lambda: cpu().vnni)
+# the same source without VNNI, on any x86 with AVX2 and FMA
+_INT4_AVX2 = _Kernel(
+    "int4_gemm_avx2", ["-mavx2"], "hcache_int4_avx2.int4_linear", lambda: cpu().avx2, source="int4_gemm"
+)
+_DECODE = _Kernel("decode_attention", [*_AVX512, "-mavx512dq"], "hcache_decode.decode_attention", lambda: cpu().avx512)
+# the forms this CPU serves with
+_SERVED_ATTENTION = _ATTENTION if cpu().bf16 else _ATTENTION_F
+_SERVED_INT4 = _INT4 if cpu().vnni else _INT4_AVX2
+KERNELS = (_INT8, _SERVED_INT4, _SERVED_ATTENTION, _DECODE)
 
 
 def build_all() -> list[threading.Thread]:
@@ -119,16 +128,25 @@ def int8_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
 
 
 def int4_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
-    """`op(x, tiles, scale_zeros) -> x @ w.T`, float32 `[M, N]`, for bfloat16 or float32
+    """With AVX512-VNNI its VNNI form, else its AVX2 one (`int4_gemm_avx2`), which gives
+    the same bits. `op(x, tiles, scale_zeros) -> x @ w.T`, float32 `[M, N]`, for bfloat16 or float32
     `x [M, K]` (each row quantized to two int8 passes inside, as `quant.int8_rows_mm` does) and the int4
     groups `w = (q - 8) * scale + zero` of `[N, K]`, the nibbles in `int4_pack`'s tiles, scale
     and zero bfloat16 `[K / 32, N, 2]`."""
-    return _INT4.get()
+    return _SERVED_INT4.get()
+
+
+def int4_gemm_avx2() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """`int4_gemm`'s AVX2 form on any CPU with AVX2 and FMA, for comparing the two forms."""
+    return _INT4_AVX2.get()
 
 
 def int4_pack(q: torch.Tensor) -> torch.Tensor:
-    """uint8 nibbles `[N, K]` (K a multiple of 32) into `int4_gemm`'s tiles."""
-    return torch.ops.hcache_int4.pack(q)
+    """uint8 nibbles `[N, K]` (K a multiple of 32) into `int4_gemm`'s tiles (both forms'):
+    the served form packs."""
+    _SERVED_INT4.get()
+    pack = torch.ops.hcache_int4.pack if _SERVED_INT4 is _INT4 else torch.ops.hcache_int4_avx2.pack
+    return pack(q)
 
 
 def int8_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +164,7 @@ def _build(name: str, source_name: str, isa: str, op: str) -> Callable[..., torc
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
         source = Path(__file__).with_name(f"{source_name}.cpp")
         # torch rebuilds when a source or a flag changes, and it hashes no header: ours go in a flag
-        flags = [*_FLAGS, isa, f"-DHCACHE_HEADERS={source_digest('*.h')}"]
+        flags = [*_FLAGS, *isa, f"-DHCACHE_HEADERS={source_digest('*.h')}"]
         t0 = time.perf_counter()
         load(f"hcache_{name}", [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False)
         log.info("kernel %s ready in %.1f s", name, time.perf_counter() - t0)

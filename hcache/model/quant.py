@@ -55,7 +55,7 @@ def _cat_bias(mods: tuple[nn.Module, ...]) -> torch.Tensor | None:
 
 class Int4Linear(_Bf16Scales):
     """`x @ w.T + bias` for int4 groups of 32 inputs, `w = (q - 8) * scale + zero`. Where our
-    AVX512-VNNI kernel runs (`kernels.native.int4_gemm`) the nibbles live in its tiles, and it
+    kernel runs (`kernels.native.int4_gemm`: AVX512-VNNI or AVX2) the nibbles live in its tiles, and it
     quantizes the bfloat16 activations inside the call, a row at a time in the two int8 passes
     of `int8_rows_mm`; elsewhere they live in torch's int4 form, on its kernel. Both compute
     each output row from its own activation row, and each output column alone."""
@@ -131,7 +131,7 @@ class Int4Linear(_Bf16Scales):
         # eager code's float32 values can differ in their last bits, which bfloat16 rounds away
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if self.tiles is not None:
-            y = torch.ops.hcache_int4.int4_linear(flat, self.tiles, self.scales_zeros)
+            y = native.int4_gemm()(flat, self.tiles, self.scales_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
         y = y.to(x.dtype)

@@ -1,7 +1,7 @@
-"""Our AVX512-VNNI int4 kernel (hcache/kernels/int4_gemm.cpp) bit for bit against its
-reference: the two int8 passes of `int8_rows_mm` over exact integer sums per group of 32,
-each group's scale and zero applied in float32 in input order, at the shapes that take each
-of its remainder paths."""
+"""Our int4 kernel (hcache/kernels/int4_gemm.cpp), each form this CPU runs (AVX512-VNNI,
+AVX2), bit for bit against its reference: the two int8 passes of `int8_rows_mm` over exact
+integer sums per group of 32, each group's scale and zero applied in float32 in input
+order, at the shapes that take each of its remainder paths."""
 
 import pytest
 import torch
@@ -10,8 +10,17 @@ from hcache.kernels import native
 from hcache.kernels.cpu import cpu
 from hcache.model.quant import Int4Linear, int4_from_float, int8_rows_mm
 
-op = native.int4_gemm()
-pytestmark = pytest.mark.skipif(op is None, reason=f"needs AVX512-VNNI and a C++ compiler; this CPU is {cpu().kind}")
+FORMS = {"vnni": lambda: native.int4_gemm() if cpu().vnni else None, "avx2": native.int4_gemm_avx2}
+served = native.int4_gemm()
+pytestmark = pytest.mark.skipif(served is None, reason=f"needs AVX2 and a C++ compiler; this CPU is {cpu().kind}")
+
+
+@pytest.fixture(params=sorted(FORMS))
+def op(request):
+    form = FORMS[request.param]()
+    if form is None:
+        pytest.skip(f"the {request.param} form does not run on this CPU ({cpu().kind})")
+    return form
 
 
 def integer_reference(a: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
@@ -50,7 +59,7 @@ def operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Ten
         (300, 40, 896),  # a prefill chunk
     ],
 )
-def test_every_output_is_its_reference_bit_for_bit(m, n, k):
+def test_every_output_is_its_reference_bit_for_bit(op, m, n, k):
     x, q, sz = operands(m, n, k, m * 1000 + n)
     tiles = native.int4_pack(q)
     got = op(x, tiles, sz)
@@ -59,7 +68,7 @@ def test_every_output_is_its_reference_bit_for_bit(m, n, k):
     assert torch.equal(op(x.bfloat16(), tiles, sz), op(x.bfloat16().float(), tiles, sz))
 
 
-def test_a_row_has_the_same_bits_alone_in_any_batch_and_on_any_threads():
+def test_a_row_has_the_same_bits_alone_in_any_batch_and_on_any_threads(op):
     x, q, sz = operands(70, 200, 96, 3)
     tiles = native.int4_pack(q)
     whole = op(x, tiles, sz)
@@ -77,7 +86,7 @@ def test_a_row_has_the_same_bits_alone_in_any_batch_and_on_any_threads():
         torch.set_num_threads(threads)
 
 
-def test_bad_operands_are_refused():
+def test_bad_operands_are_refused(op):
     x, q, sz = operands(2, 32, 64, 5)
     tiles = native.int4_pack(q)
     with pytest.raises(RuntimeError, match="K differs"):
@@ -96,12 +105,13 @@ def test_the_linear_stays_within_bfloat16_rounding_of_torchs_kernel(monkeypatch)
     w, b = torch.randn(96, 128, generator=g), torch.randn(96, generator=g)
     ours = int4_from_float(w, b)
     assert ours.tiles is not None and ours.packed is None
+    x = torch.randn(9, 128, generator=g) * 3
+    got = ours(x)
     monkeypatch.setattr(native, "int4_gemm", lambda: None)
     theirs = int4_from_float(w, b)
     assert theirs.tiles is None
-    x = torch.randn(9, 128, generator=g) * 3
     want = theirs(x)
-    assert ((ours(x) - want).abs() <= 2**-7 * want.abs().amax(1, keepdim=True)).all()
+    assert ((got - want).abs() <= 2**-7 * want.abs().amax(1, keepdim=True)).all()
 
 
 def test_fused_rows_and_views_keep_the_separate_calls_bits():

@@ -18,7 +18,7 @@ def _packed(tiny_folder, name: str):
     if not rows_alone(torch.bfloat16, 16):
         pytest.skip("our attention kernel needs AVX-512 and a C++ compiler")
     if native.int4_gemm() is None:
-        pytest.skip("our int4 kernel needs AVX512-VNNI and a C++ compiler")
+        pytest.skip("our int4 kernel needs AVX2 and a C++ compiler")
     return load(str(tiny_folder(name)), "float32", weights="packed").model
 
 
