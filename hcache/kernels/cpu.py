@@ -80,19 +80,19 @@ class Cpu:
     @property
     def attention(self) -> str:
         """How a turn attends over a bfloat16 cache: `native` (our kernel: its AVX512-BF16
-        form, or its AVX-512F one on AVX-512 without BF16), `flash` (torch's bfloat16 flash
+        form, its AVX-512F one on AVX-512 without BF16, its AVX2 one below), `flash` (torch's bfloat16 flash
         kernel: AMX tiles), or `float32` (K/V widened and the float32 kernels: without
         bfloat16 hardware torch's bfloat16 GEMMs run a reference loop)."""
         if self.amx:
             return "flash"
-        if self.bf16 or (self.avx512 and COMPILE):
+        if self.bf16 or (self.avx2 and COMPILE):
             return "native"
         return "float32"
 
     def _attention_form(self) -> str:
         if self.attention != "native":
             return self.attention
-        return "native-bf16" if self.bf16 else "native-avx512f"
+        return "native-bf16" if self.bf16 else "native-avx512f" if self.avx512 else "native-avx2"
 
     def describe(self) -> str:
         return f"CPU kind {self.kind}: " + ", ".join(f"{k} {v}" for k, v in self.paths().items() if k != "cpu")

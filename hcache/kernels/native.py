@@ -6,7 +6,8 @@ products (`attention_bf16.cpp`). No library kernel reaches that rate on a CPU wi
 AMX: torch's flash kernel multiplies through MKL's bfloat16 GEMM, inductor's templates
 widen to float32, oneDNN's fused graph rounds the scores to bfloat16 (bench/RESULTS.md).
 On AVX-512 without BF16 the same source builds the same arithmetic from AVX-512F FMAs,
-which beats torch's float32 flash kernel over widened K/V there.
+which beats torch's float32 flash kernel over widened K/V there; `attention_avx2.cpp` is
+that arithmetic in AVX2, for CPUs without AVX-512.
 `int8_gemm`: few rows of uint8 activations times int8 weight rows with AVX512-VNNI
 (`int8_gemm.cpp`): oneDNN's u8s8 GEMM streams a decode step's weights at about half the
 machine's read rate.
@@ -74,6 +75,8 @@ _ATTENTION_F = _Kernel(
     lambda: cpu().avx512,
     source="attention_bf16",
 )
+# the same arithmetic in vectors of 8 (attention_avx2.cpp), on any x86 with AVX2 and FMA
+_ATTENTION_AVX2 = _Kernel("attention_avx2", ["-mavx2"], "hcache_kernels_avx2.causal_attention_bf16", lambda: cpu().avx2)
 _INT8 = _Kernel("int8_gemm", [*_AVX512, "-mavx512vnni"], "hcache_int8.int8_mm", lambda: cpu().vnni)
 _INT4 = _Kernel("int4_gemm", [*_AVX512, "-mavx512vnni"], "hcache_int4.int4_linear", lambda: cpu().vnni)
 # the same source without VNNI, on any x86 with AVX2 and FMA
@@ -82,7 +85,7 @@ _INT4_AVX2 = _Kernel(
 )
 _DECODE = _Kernel("decode_attention", [*_AVX512, "-mavx512dq"], "hcache_decode.decode_attention", lambda: cpu().avx512)
 # the forms this CPU serves with
-_SERVED_ATTENTION = _ATTENTION if cpu().bf16 else _ATTENTION_F
+_SERVED_ATTENTION = _ATTENTION if cpu().bf16 else _ATTENTION_F if cpu().avx512 else _ATTENTION_AVX2
 _SERVED_INT4 = _INT4 if cpu().vnni else _INT4_AVX2
 KERNELS = (_INT8, _SERVED_INT4, _SERVED_ATTENTION, _DECODE)
 
@@ -103,13 +106,19 @@ def build_all() -> list[threading.Thread]:
 def attention_bf16() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None:
     """`op(q [T, H, D], k [S, KvH, D], v, scale) -> [T, H*D]`, all bfloat16 on the CPU, head
     dims contiguous and a multiple of 16 up to 128; the last T positions attend causally.
-    With AVX512-BF16 its dot-product form, else its AVX-512F form (`attention_avx512f`)."""
+    With AVX512-BF16 its dot-product form, else its AVX-512F form (`attention_avx512f`), else
+    its AVX2 form (`attention_avx2`): the same bits."""
     return _SERVED_ATTENTION.get()
 
 
 def attention_avx512f() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None:
     """`attention_bf16`'s AVX-512F form on any CPU with AVX-512, for comparing the two forms."""
     return _ATTENTION_F.get()
+
+
+def attention_avx2() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None:
+    """`attention_bf16`'s AVX2 form on any CPU with AVX2 and FMA, for comparing the forms."""
+    return _ATTENTION_AVX2.get()
 
 
 def decode_attention() -> Callable[..., torch.Tensor] | None:

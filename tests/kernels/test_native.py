@@ -1,7 +1,8 @@
-"""Our attention kernel (hcache/kernels/attention_bf16.cpp), in the form this CPU builds
-(AVX512-BF16 dot products, or the same arithmetic from AVX-512F FMAs), against a float64
-reference; the property the engine leans on: a position's output has the same bits whether
-its prompt was attended in one call or in pieces; and the two forms' bits against each other."""
+"""Our attention kernel (hcache/kernels/attention_bf16.cpp, attention_avx2.cpp), in the form
+this CPU builds (AVX512-BF16 dot products, or the same arithmetic from AVX-512F or AVX2 FMAs),
+against a float64 reference; the property the engine leans on: a position's output has the
+same bits whether its prompt was attended in one call or in pieces; and the forms' bits
+against each other."""
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from hcache.kernels.cpu import cpu
 from hcache.model.attention import _matmul_attention
 
 op = native.attention_bf16()
-pytestmark = pytest.mark.skipif(op is None, reason="needs AVX-512 and a C++ compiler")
+pytestmark = pytest.mark.skipif(op is None, reason=f"needs AVX2 and a C++ compiler; this CPU is {cpu().kind}")
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -115,6 +116,22 @@ def test_the_avx512f_form_gives_the_dot_product_forms_bits(t, s, heads, kv_heads
     """Replicas on CPUs with and without AVX512-BF16 share sessions: a turn must attend to
     the same bits on either (inputs without subnormals, which the instruction reads as 0)."""
     f = native.attention_avx512f()
+    assert f is not None
+    q, k, v = inputs(t, s, heads, kv_heads, d, t + s)
+    assert torch.equal(f(q, k, v, d**-0.5), op(q, k, v, d**-0.5))
+
+
+@pytest.mark.skipif(
+    not cpu().avx512, reason=f"needs AVX-512 to run an AVX-512 form beside the AVX2 one; this CPU is {cpu().kind}"
+)
+@pytest.mark.parametrize(
+    "t,s,heads,kv_heads,d",
+    [(1, 900, 9, 3, 64), (32, 3000, 9, 3, 64), (200, 1100, 14, 2, 64), (33, 300, 8, 2, 16), (7, 7, 4, 4, 128)],
+)
+def test_the_avx2_form_gives_the_served_forms_bits(t, s, heads, kv_heads, d):
+    """AVX2 and AVX-512 replicas share sessions: the served form and the AVX2 one attend to
+    the same bits (rows past a vector of 8, odd key counts, every head size's tiles)."""
+    f = native.attention_avx2()
     assert f is not None
     q, k, v = inputs(t, s, heads, kv_heads, d, t + s)
     assert torch.equal(f(q, k, v, d**-0.5), op(q, k, v, d**-0.5))
