@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "attention_driver.h"
+#include "vec_math.h"
 
 namespace {
 
@@ -25,22 +26,9 @@ using hcache::FLOOR, hcache::NONE, hcache::ROWS, hcache::Shape, hcache::TILE;
 constexpr int KQ = 3;  // keys per score step
 constexpr int RC = 2;  // vectors of 8 rows per score step
 
-// 2**x where x >= FLOOR, else exactly 0 (masked keys are -inf): attention_bf16.cpp's
-// polynomial, and 2**n from its exponent bits (n >= FLOOR keeps it normal), which scales
-// exactly as AVX-512's `scalef` does
+// 2**x where x >= FLOOR, else exactly 0 (masked keys are -inf)
 inline __m256 exp2_or_zero(__m256 x) {
-  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(FLOOR), _CMP_GE_OQ);
-  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(x, n);
-  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+  return _mm256_and_ps(hcache::exp2_ps(x), _mm256_cmp_ps(x, _mm256_set1_ps(FLOOR), _CMP_GE_OQ));
 }
 
 // float32 rounded to the nearest bfloat16, ties to even, kept as float32 (P is finite, >= 0)

@@ -100,10 +100,9 @@ class Cpu:
     def paths(self) -> dict[str, str]:
         """The kernel each hot path runs here, by name."""
         library = "onednn-int8" if torch.backends.mkldnn.is_available() else "int8pack"
-        int8 = "native-vnni" if COMPILE and self.vnni else f"{library}-a{self.head_activation_bits}"
-        int4 = f"int4pack-{self.aten.lower()}"
-        if COMPILE and (self.vnni or self.avx2):
-            int4 = "native-vnni" if self.vnni else "native-avx2"
+        int8, int4 = f"{library}-a{self.head_activation_bits}", f"int4pack-{self.aten.lower()}"
+        if COMPILE and (self.vnni or self.avx2):  # our kernels' forms
+            int8 = int4 = "native-vnni" if self.vnni else "native-avx2"
         return {
             "cpu": self.kind,
             "aten": self.aten.lower(),

@@ -1,4 +1,5 @@
 // Unsigned 8-bit activations times signed 8-bit weight rows with AVX512-VNNI (`vpdpbusd`),
+// or with AVX2 where it lacks (the same integers, below),
 // for the few activation rows of a decode step, and float activations quantized inside the
 // call in two passes per row (`int8_linear`).
 //
@@ -31,8 +32,13 @@
 namespace {
 
 constexpr int64_t LANES = 16;  // output rows per tile
-constexpr int NR = 3;          // tiles a micro-kernel streams at once
-constexpr int MR_MAX = 8;      // activation rows it holds: NR * MR_MAX accumulators
+#ifdef __AVX512VNNI__
+constexpr int NR = 3;      // tiles a micro-kernel streams at once
+constexpr int MR_MAX = 8;  // activation rows it holds: NR * MR_MAX accumulators
+#else
+constexpr int NR = 1;  // AVX2's 16 registers: a tile's two halves for 4 activation rows
+constexpr int MR_MAX = 4;
+#endif
 constexpr int64_t AHEAD = 2048;  // bytes of each tile's stream prefetched ahead: a row's step waits on DRAM latency
 constexpr int64_t ACT_BLOCK = 256 * 1024;  // bytes of activation rows a thread keeps in L2
 
@@ -42,6 +48,8 @@ std::tuple<at::Tensor, at::Tensor> pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "pack: int8 [N, K] expected");
   const int64_t n = w.size(0), k = w.size(1), tiles = (n + LANES - 1) / LANES;
   TORCH_CHECK(k % 4 == 0, "pack: K must be a multiple of 4, got ", k);
+  // the AVX2 form's products need |w| <= 127; every form refuses the same weights
+  TORCH_CHECK(w.numel() == 0 || w.min().item<int>() > -128, "pack: weights within +-127 expected, got -128");
   at::Tensor wc = w.contiguous();
   at::Tensor out = at::zeros({tiles, k / 4, LANES, 4}, w.options());
   at::Tensor sums = wc.sum(1, false, at::kInt);
@@ -58,6 +66,12 @@ std::tuple<at::Tensor, at::Tensor> pack(const at::Tensor& w) {
   return {out, sums};
 }
 
+// What a tile's combined rows become: written as they are, plus a bias, or (`GLU`: each
+// tile's lanes 0-7 the gate rows and 8-15 the up rows of 8 outputs, `quant.glu_rows`) those 8
+// outputs' `silu(gate) * up`, 8 floats at column 8 * tile
+enum class Epilogue { PLAIN, BIAS, GLU };
+
+#ifdef __AVX512VNNI__
 // The integer sums of activation rows `rows[0..MR]` (K bytes each) against tiles
 // t0..t0+nt (nt <= NR) into `acc`
 template <int MR>
@@ -115,6 +129,135 @@ void micro(const uint8_t* a, int64_t k, const int8_t* w, int64_t t0, int nt, int
   }
 }
 
+// x * sigmoid(x) = x / (1 + 2**(-x * log2(e))): 0 where the power overflows to infinity
+inline __m512 silu(__m512 x) {
+  const __m512 e = hcache::exp2_ps(_mm512_mul_ps(x, _mm512_set1_ps(-1.4426950408889634f)));
+  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+}
+
+// rows r..r+P of the activations, both passes of each (rows i and m + i of `a`), against
+// tiles t0..t0+nt (nt <= NR): each pass's output as `int8_mm` rounds it, then the two meet
+// as `y1 * s1 + y2 * s2` in registers, so only the combined rows are written (`E`)
+template <int P, Epilogue E>
+void micro_passes(const uint8_t* a, int64_t m, int64_t k, const int8_t* w, int64_t r, int64_t t0, int nt, int64_t n,
+                  const int32_t* comp, const uint16_t* scale, const float* ascale, const float* bias, float* out) {
+  const uint8_t* rows[2 * P];
+  for (int p = 0; p < P; ++p) rows[2 * p] = a + (r + p) * k, rows[2 * p + 1] = a + (m + r + p) * k;
+  __m512i acc[2 * P][NR];
+  sums<2 * P>(rows, k, w, t0, nt, acc);
+  for (int j = 0; j < nt; ++j) {
+    const int64_t r0 = (t0 + j) * LANES;
+    const TileOut y(r0, n, comp, scale, 128);
+    const __m512 b = E == Epilogue::BIAS ? _mm512_maskz_loadu_ps(y.mask, bias + r0) : _mm512_setzero_ps();
+    for (int p = 0; p < P; ++p) {
+      // two products and one sum, as the Python computes them (no fused multiply-add)
+      __m512 f = _mm512_add_ps(_mm512_mul_ps(y(acc[2 * p][j]), _mm512_set1_ps(ascale[r + p])),
+                               _mm512_mul_ps(y(acc[2 * p + 1][j]), _mm512_set1_ps(ascale[m + r + p])));
+      if constexpr (E == Epilogue::GLU) {
+        const __m512 up = _mm512_shuffle_f32x4(f, f, 0xEE);  // lanes 8-15 into 0-7
+        _mm512_mask_storeu_ps(out + (r + p) * (n / 2) + r0 / 2, __mmask16(0xFF), _mm512_mul_ps(silu(f), up));
+      } else {
+        if constexpr (E == Epilogue::BIAS) f = _mm512_add_ps(f, b);
+        _mm512_mask_storeu_ps(out + (r + p) * n + r0, y.mask, f);
+      }
+    }
+  }
+}
+
+#else
+// The same integers with AVX2, a tile's 16 rows as two halves of 8. `vpmaddubsw` multiplies
+// unsigned by signed bytes and sums pairs in 16 bits: with |a - 128| as the unsigned operand
+// (at most 128) and the weight carrying that sign (|w| <= 127, `pack`), a pair is at most
+// 2 * 128 * 127, exact, and `vpmaddwd` widens it. The sums are of (a - 128) * w: `TileOut`'s
+// zero-point term makes them VNNI's sum(a * w) - zero * sum(w), the same integers.
+template <int MR>
+inline void sums(const uint8_t* const* rows, int64_t k, const int8_t* w, int64_t t0, int, __m256i (&acc)[MR][2]) {
+  const int64_t steps = k / 4;
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(int8_t(0x80));
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+  const int8_t* wt = w + t0 * k * LANES;
+  for (int64_t s = 0; s < steps; ++s) {
+    _mm_prefetch(reinterpret_cast<const char*>(wt + s * 64 + AHEAD), _MM_HINT_T0);
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + s * 64));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + s * 64 + 32));
+    for (int m = 0; m < MR; ++m) {
+      int32_t four;
+      std::memcpy(&four, rows[m] + s * 4, 4);
+      const __m256i av = _mm256_xor_si256(_mm256_set1_epi32(four), flip);  // a - 128, signed
+      const __m256i mag = _mm256_abs_epi8(av);
+      acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(w0, av)), ones));
+      acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(w1, av)), ones));
+    }
+  }
+}
+
+// A tile's outputs (two halves of 8, `mask` of each real) as float32: (sum - zero * rowsum) * scale
+struct TileOut {
+  __m256i mask[2], zc[2];
+  __m256 sc[2];
+  TileOut(int64_t r0, int64_t n, const int32_t* comp, const uint16_t* scale, int32_t zero) {
+    const int64_t left = std::min<int64_t>(LANES, n - r0);
+    alignas(32) uint16_t s16[LANES] = {};
+    std::memcpy(s16, scale + r0, 2 * left);
+    for (int h = 0; h < 2; ++h) {
+      mask[h] = _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(left - 8 * h)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      // the sums are of a - 128: 128 * rowsum of the zero point's term is in them already
+      zc[h] = _mm256_mullo_epi32(_mm256_maskload_epi32(comp + r0 + 8 * h, mask[h]), _mm256_set1_epi32(zero - 128));
+      const __m256i b = _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(s16 + 8 * h)));
+      sc[h] = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+    }
+  }
+  __m256 operator()(__m256i acc, int h) const {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc, zc[h])), sc[h]);
+  }
+};
+
+// rows 0..MR of `a` against tile t0, written to `out`
+template <int MR>
+void micro(const uint8_t* a, int64_t k, const int8_t* w, int64_t t0, int nt, int64_t n, const int32_t* comp,
+           const uint16_t* scale, int32_t zero, float* out) {
+  const uint8_t* rows[MR];
+  for (int m = 0; m < MR; ++m) rows[m] = a + m * k;
+  __m256i acc[MR][2];
+  sums<MR>(rows, k, w, t0, nt, acc);
+  const int64_t r0 = t0 * LANES;
+  const TileOut y(r0, n, comp, scale, zero);
+  for (int m = 0; m < MR; ++m)
+    for (int h = 0; h < 2; ++h) _mm256_maskstore_ps(out + m * n + r0 + 8 * h, y.mask[h], y(acc[m][h], h));
+}
+
+inline __m256 silu(__m256 x) {  // as the AVX-512 form computes it
+  const __m256 e = hcache::exp2_ps(_mm256_mul_ps(x, _mm256_set1_ps(-1.4426950408889634f)));
+  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+}
+
+// `micro_passes` of the AVX-512 form: a tile's halves are a GLU's gate and up rows
+template <int P, Epilogue E>
+void micro_passes(const uint8_t* a, int64_t m, int64_t k, const int8_t* w, int64_t r, int64_t t0, int nt, int64_t n,
+                  const int32_t* comp, const uint16_t* scale, const float* ascale, const float* bias, float* out) {
+  const uint8_t* rows[2 * P];
+  for (int p = 0; p < P; ++p) rows[2 * p] = a + (r + p) * k, rows[2 * p + 1] = a + (m + r + p) * k;
+  __m256i acc[2 * P][2];
+  sums<2 * P>(rows, k, w, t0, nt, acc);
+  const int64_t r0 = t0 * LANES;
+  const TileOut y(r0, n, comp, scale, 128);
+  for (int p = 0; p < P; ++p) {
+    __m256 f[2];
+    for (int h = 0; h < 2; ++h)
+      f[h] = _mm256_add_ps(_mm256_mul_ps(y(acc[2 * p][h], h), _mm256_set1_ps(ascale[r + p])),
+                           _mm256_mul_ps(y(acc[2 * p + 1][h], h), _mm256_set1_ps(ascale[m + r + p])));
+    if constexpr (E == Epilogue::GLU) {
+      _mm256_storeu_ps(out + (r + p) * (n / 2) + r0 / 2, _mm256_mul_ps(silu(f[0]), f[1]));
+    } else {
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (E == Epilogue::BIAS) f[h] = _mm256_add_ps(f[h], _mm256_maskload_ps(bias + r0 + 8 * h, y.mask[h]));
+        _mm256_maskstore_ps(out + (r + p) * n + r0 + 8 * h, y.mask[h], f[h]);
+      }
+    }
+  }
+}
+#endif
+
 // `f(rows, r, t0, nt)` over every block of `rows` (<= RMAX) activation rows from r and group
 // of nt (<= NR) tiles from t0. The work items are (block of `block` rows, group of tiles), by
 // row block: for many rows (a prefill) a block stays in L2 while a thread's tiles stream past
@@ -150,46 +293,6 @@ at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& c
     micro<decltype(rows)::value>(ap + r * k, k, wp, t0, nt, n, cp, sp, int32_t(zero), op + r * n);
   });
   return out;
-}
-
-// x * sigmoid(x) = x / (1 + 2**(-x * log2(e))): 0 where the power overflows to infinity
-inline __m512 silu(__m512 x) {
-  const __m512 e = hcache::exp2_ps(_mm512_mul_ps(x, _mm512_set1_ps(-1.4426950408889634f)));
-  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-}
-
-// What a tile's combined rows become: written as they are, plus a bias, or (`GLU`: each
-// tile's lanes 0-7 the gate rows and 8-15 the up rows of 8 outputs, `quant.glu_rows`) those 8
-// outputs' `silu(gate) * up`, 8 floats at column 8 * tile
-enum class Epilogue { PLAIN, BIAS, GLU };
-
-// rows r..r+P of the activations, both passes of each (rows i and m + i of `a`), against
-// tiles t0..t0+nt (nt <= NR): each pass's output as `int8_mm` rounds it, then the two meet
-// as `y1 * s1 + y2 * s2` in registers, so only the combined rows are written (`E`)
-template <int P, Epilogue E>
-void micro_passes(const uint8_t* a, int64_t m, int64_t k, const int8_t* w, int64_t r, int64_t t0, int nt, int64_t n,
-                  const int32_t* comp, const uint16_t* scale, const float* ascale, const float* bias, float* out) {
-  const uint8_t* rows[2 * P];
-  for (int p = 0; p < P; ++p) rows[2 * p] = a + (r + p) * k, rows[2 * p + 1] = a + (m + r + p) * k;
-  __m512i acc[2 * P][NR];
-  sums<2 * P>(rows, k, w, t0, nt, acc);
-  for (int j = 0; j < nt; ++j) {
-    const int64_t r0 = (t0 + j) * LANES;
-    const TileOut y(r0, n, comp, scale, 128);
-    const __m512 b = E == Epilogue::BIAS ? _mm512_maskz_loadu_ps(y.mask, bias + r0) : _mm512_setzero_ps();
-    for (int p = 0; p < P; ++p) {
-      // two products and one sum, as the Python computes them (no fused multiply-add)
-      __m512 f = _mm512_add_ps(_mm512_mul_ps(y(acc[2 * p][j]), _mm512_set1_ps(ascale[r + p])),
-                               _mm512_mul_ps(y(acc[2 * p + 1][j]), _mm512_set1_ps(ascale[m + r + p])));
-      if constexpr (E == Epilogue::GLU) {
-        const __m512 up = _mm512_shuffle_f32x4(f, f, 0xEE);  // lanes 8-15 into 0-7
-        _mm512_mask_storeu_ps(out + (r + p) * (n / 2) + r0 / 2, __mmask16(0xFF), _mm512_mul_ps(silu(f), up));
-      } else {
-        if constexpr (E == Epilogue::BIAS) f = _mm512_add_ps(f, b);
-        _mm512_mask_storeu_ps(out + (r + p) * n + r0, y.mask, f);
-      }
-    }
-  }
 }
 
 // `x @ w.T (+ bias)` for float32 or bfloat16 x [M, K]: each row quantized on its own to two
@@ -251,14 +354,22 @@ at::Tensor int8_glu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 
 }  // namespace
 
-TORCH_LIBRARY(hcache_int8, lib) {
+#ifdef __AVX512VNNI__
+#define HCACHE_NS hcache_int8
+#else
+#define HCACHE_NS hcache_int8_avx2
+#endif
+#define LIBRARY(ns, lib) TORCH_LIBRARY(ns, lib)
+#define LIBRARY_IMPL(ns, key, lib) TORCH_LIBRARY_IMPL(ns, key, lib)
+
+LIBRARY(HCACHE_NS, lib) {
   lib.def("pack(Tensor w) -> (Tensor, Tensor)");
   lib.def("int8_mm(Tensor a, Tensor w, Tensor comp, Tensor scale, int zero) -> Tensor");
   lib.def("int8_linear(Tensor x, Tensor w, Tensor comp, Tensor scale, Tensor? bias=None) -> Tensor");
   lib.def("int8_glu(Tensor x, Tensor w, Tensor comp, Tensor scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(hcache_int8, CPU, lib) {
+LIBRARY_IMPL(HCACHE_NS, CPU, lib) {
   lib.impl("pack", &pack);
   lib.impl("int8_mm", &int8_mm);
   lib.impl("int8_linear", &int8_linear);
@@ -266,7 +377,7 @@ TORCH_LIBRARY_IMPL(hcache_int8, CPU, lib) {
 }
 
 // shapes only, for tracing: symbolic, so a compiled graph serves every row count
-TORCH_LIBRARY_IMPL(hcache_int8, Meta, lib) {
+LIBRARY_IMPL(HCACHE_NS, Meta, lib) {
   lib.impl("int8_mm", [](const at::Tensor& a, const at::Tensor&, const at::Tensor&, const at::Tensor& scale, int64_t) {
     return at::empty_symint({a.sym_size(0), scale.sym_size(0)}, a.options().dtype(at::kFloat));
   });

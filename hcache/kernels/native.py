@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -78,6 +79,7 @@ _ATTENTION_F = _Kernel(
 # the same arithmetic in vectors of 8 (attention_avx2.cpp), on any x86 with AVX2 and FMA
 _ATTENTION_AVX2 = _Kernel("attention_avx2", ["-mavx2"], "hcache_kernels_avx2.causal_attention_bf16", lambda: cpu().avx2)
 _INT8 = _Kernel("int8_gemm", [*_AVX512, "-mavx512vnni"], "hcache_int8.int8_mm", lambda: cpu().vnni)
+_INT8_AVX2 = _Kernel("int8_gemm_avx2", ["-mavx2"], "hcache_int8_avx2.int8_mm", lambda: cpu().avx2, source="int8_gemm")
 _INT4 = _Kernel("int4_gemm", [*_AVX512, "-mavx512vnni"], "hcache_int4.int4_linear", lambda: cpu().vnni)
 # the same source without VNNI, on any x86 with AVX2 and FMA
 _INT4_AVX2 = _Kernel(
@@ -87,7 +89,8 @@ _DECODE = _Kernel("decode_attention", [*_AVX512, "-mavx512dq"], "hcache_decode.d
 # the forms this CPU serves with
 _SERVED_ATTENTION = _ATTENTION if cpu().bf16 else _ATTENTION_F if cpu().avx512 else _ATTENTION_AVX2
 _SERVED_INT4 = _INT4 if cpu().vnni else _INT4_AVX2
-KERNELS = (_INT8, _SERVED_INT4, _SERVED_ATTENTION, _DECODE)
+_SERVED_INT8 = _INT8 if cpu().vnni else _INT8_AVX2
+KERNELS = (_SERVED_INT8, _SERVED_INT4, _SERVED_ATTENTION, _DECODE)
 
 
 def build_all() -> list[threading.Thread]:
@@ -132,8 +135,20 @@ def decode_attention() -> Callable[..., torch.Tensor] | None:
 def int8_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor] | None:
     """`op(a, tiles, sums, scales, zero) -> (a - zero) @ w.T * scales`, float32 `[M, N]`, for
     uint8 activations `a [M, K]` and the weight rows `w [N, K]` in `int8_pack`'s tiles. Its
-    library also holds `hcache_int8.int8_linear` (float rows in two passes each)."""
-    return _INT8.get()
+    library (`int8_ops`) also holds `int8_linear` (float rows in two passes each) and
+    `int8_glu`. With AVX512-VNNI its VNNI form, else its AVX2 one: the same bits."""
+    return _SERVED_INT8.get()
+
+
+def int8_gemm_avx2() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor] | None:
+    """`int8_gemm`'s AVX2 form on any CPU with AVX2 and FMA, for comparing the two forms."""
+    return _INT8_AVX2.get()
+
+
+def int8_ops() -> Any:
+    """The served int8 form's library: `torch.ops.hcache_int8`, or `hcache_int8_avx2`."""
+    _SERVED_INT8.get()
+    return torch.ops.hcache_int8 if _SERVED_INT8 is _INT8 else torch.ops.hcache_int8_avx2
 
 
 def int4_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
@@ -159,11 +174,12 @@ def int4_pack(q: torch.Tensor) -> torch.Tensor:
 
 
 def int8_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 rows `[N, K]` (K a multiple of 4) into `int8_gemm`'s tiles, and each row's sum."""
-    return torch.ops.hcache_int8.pack(w)
+    """int8 rows `[N, K]` (K a multiple of 4, every weight within +-127) into `int8_gemm`'s
+    tiles (both forms'), and each row's sum."""
+    return int8_ops().pack(w)
 
 
-def _build(name: str, source_name: str, isa: str, op: str) -> Callable[..., torch.Tensor] | None:
+def _build(name: str, source_name: str, isa: list[str], op: str) -> Callable[..., torch.Tensor] | None:
     from torch.utils.cpp_extension import load
 
     try:

@@ -221,7 +221,7 @@ class Int8Linear(_Bf16Scales):
             flat = x.reshape(-1, self.in_features)
             # a float32 bias is added there too, as torch adds it (other dtypes round y first)
             inside, bias = (bias, None) if bias is not None and x.dtype == torch.float32 else (None, bias)
-            y = torch.ops.hcache_int8.int8_linear(flat, self.tiles, self.sums, self.scales, inside).to(x.dtype)
+            y = native.int8_ops().int8_linear(flat, self.tiles, self.sums, self.scales, inside).to(x.dtype)
         elif self._handle is not None:
             mm = functools.partial(onednn_int8_mm, handle=self._handle)
             y = int8_rows_mm(x.reshape(-1, self.in_features), mm, self._bits).to(x.dtype)
@@ -242,7 +242,7 @@ def glu_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 class Int8Glu(Int8Linear):
     """`silu(x @ gate.T) * (x @ up.T)`, SwiGLU's first half, as one int8 matrix of the two's
     rows (`glu_rows`). On our kernel each 16-lane tile then holds 8 outputs' gate and up
-    sums, and the op applies the activation in registers (`hcache_int8.int8_glu`): the
+    sums, and the op applies the activation in registers (`int8_glu`): the
     `[T, 2I]` product is never written, nor read back by elementwise ops (on two cores
     those read what the other core's half of the kernel just wrote). Elsewhere the rows'
     output is split and activated in torch."""
@@ -257,7 +257,7 @@ class Int8Glu(Int8Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiles is not None:
             flat = x.reshape(-1, self.in_features)
-            y = torch.ops.hcache_int8.int8_glu(flat, self.tiles, self.sums, self.scales).to(x.dtype)
+            y = native.int8_ops().int8_glu(flat, self.tiles, self.sums, self.scales).to(x.dtype)
             return y.view(*x.shape[:-1], self.out_features // 2)
         both = super().forward(x).unflatten(-1, (-1, 2, 8))
         return (F.silu(both[..., 0, :]) * both[..., 1, :]).flatten(-2)
