@@ -355,7 +355,8 @@ def machine() -> dict[str, Any]:
     family = f"family {info['cpu family']} model {info['model']}" if "cpu family" in info and "model" in info else None
     caps = {
         k: os.environ[k]
-        for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+        # TORCHINDUCTOR_CPP_MARCH: inductor's C++ is built -march=native unless told, whatever the cap
+        for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "TORCHINDUCTOR_CPP_MARCH")
         if k in os.environ
     }
     try:  # the instructions llama.cpp was built for (an AVX2-only build beside capped torch)

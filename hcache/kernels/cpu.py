@@ -5,7 +5,11 @@ to use (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`), so that a path is chosen f
 instructions that will really run and a lesser ISA's paths can be tried on a better
 machine. The callers (model/quant.py, model/attention.py, kernels/native.py) ask
 `cpu()` rather than torch's flags; `cpu().paths()` is what `hcache serve` logs and
-`/metrics` exports."""
+`/metrics` exports.
+
+AVX2's paths on an AVX-512 machine: `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+MKL_ENABLE_INSTRUCTIONS=AVX2 TORCHINDUCTOR_CPP_MARCH=znver3` (inductor builds its C++
+`-march=native` whatever torch's cap says; our kernels take their ISA's flags alone)."""
 
 from __future__ import annotations
 
