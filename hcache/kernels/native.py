@@ -10,14 +10,17 @@ which beats torch's float32 flash kernel over widened K/V there; `attention_avx2
 that arithmetic in AVX2, for CPUs without AVX-512.
 `int8_gemm`: few rows of uint8 activations times int8 weight rows with AVX512-VNNI
 (`int8_gemm.cpp`): oneDNN's u8s8 GEMM streams a decode step's weights at about half the
-machine's read rate.
+machine's read rate. Without VNNI the same source builds for AVX2 (the same integers):
+there oneDNN's AVX2 GEMM took 5.5 ms for the default model's head at one row, ours 1.2.
 `decode_attention`: a decode step's attention over the pool's rows where they lie, with
 AVX-512 float32 dot products (`decode_attention.cpp`): inductor's fused reductions over
 the gathered rows sum each key's products across lanes one at a time, far below the FMA
 rate at a batch's sizes.
-`int4_gemm`: the same for 4-bit weight groups (`int4_gemm.cpp`): torch's int4 kernel widens
-the weights to float32, which is FMA-bound at a batch's rows and streams at under half the
-read rate at one.
+`int4_gemm`: the same for 4-bit weight groups (`int4_gemm.cpp`), in a VNNI and an AVX2
+form: torch's int4 kernel widens the weights to float32, which is FMA-bound at a batch's
+rows and streams at under half the read rate at one.
+
+Every AVX2 form gives its AVX-512 form's bits, so replicas of either kind share sessions.
 
 Each is None when the CPU lacks its instructions (`Cpu.bf16`, `Cpu.vnni`, `Cpu.avx512`, `Cpu.avx2`), when building
 fails (logged once), or with `HCACHE_COMPILE=0`: callers keep their library path."""
@@ -54,6 +57,11 @@ class _Kernel:
         self._lock = threading.Lock()
         self._done = False
         self._op: Callable[..., torch.Tensor] | None = None
+
+    def ops(self) -> Any:
+        """Its library of ops (`torch.ops.<namespace>`), built first; only where `get` is not None."""
+        self.get()
+        return getattr(torch.ops, self.op.split(".")[0])
 
     def get(self) -> Callable[..., torch.Tensor] | None:
         if not self._done:  # every layer of every forward asks: the lock only until built
@@ -147,8 +155,7 @@ def int8_gemm_avx2() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torc
 
 def int8_ops() -> Any:
     """The served int8 form's library: `torch.ops.hcache_int8`, or `hcache_int8_avx2`."""
-    _SERVED_INT8.get()
-    return torch.ops.hcache_int8 if _SERVED_INT8 is _INT8 else torch.ops.hcache_int8_avx2
+    return _SERVED_INT8.ops()
 
 
 def int4_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
@@ -168,9 +175,7 @@ def int4_gemm_avx2() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tor
 def int4_pack(q: torch.Tensor) -> torch.Tensor:
     """uint8 nibbles `[N, K]` (K a multiple of 32) into `int4_gemm`'s tiles (both forms'):
     the served form packs."""
-    _SERVED_INT4.get()
-    pack = torch.ops.hcache_int4.pack if _SERVED_INT4 is _INT4 else torch.ops.hcache_int4_avx2.pack
-    return pack(q)
+    return _SERVED_INT4.ops().pack(q)
 
 
 def int8_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
