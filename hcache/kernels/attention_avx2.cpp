@@ -196,17 +196,4 @@ at::Tensor causal_attention_bf16(const at::Tensor& q, const at::Tensor& k, const
 
 }  // namespace
 
-TORCH_LIBRARY(hcache_kernels_avx2, lib) {
-  lib.def("causal_attention_bf16(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(hcache_kernels_avx2, CPU, lib) {
-  lib.impl("causal_attention_bf16", &causal_attention_bf16);
-}
-
-// shapes only, for tracing
-TORCH_LIBRARY_IMPL(hcache_kernels_avx2, Meta, lib) {
-  lib.impl("causal_attention_bf16", [](const at::Tensor& q, const at::Tensor&, const at::Tensor&, double) {
-    return at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
-  });
-}
+HCACHE_ATTENTION_LIBRARY(hcache_kernels_avx2)

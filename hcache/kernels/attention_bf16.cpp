@@ -323,26 +323,9 @@ at::Tensor causal_attention_bf16(const at::Tensor& q, const at::Tensor& k, const
 
 }  // namespace
 
-// each form registers a library of its own, so that one process can load both (a test compares them)
 #ifdef __AVX512BF16__
 #define HCACHE_NS hcache_kernels
 #else
 #define HCACHE_NS hcache_kernels_avx512
 #endif
-#define LIBRARY(ns, lib) TORCH_LIBRARY(ns, lib)
-#define LIBRARY_IMPL(ns, key, lib) TORCH_LIBRARY_IMPL(ns, key, lib)
-
-LIBRARY(HCACHE_NS, lib) {
-  lib.def("causal_attention_bf16(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
-}
-
-LIBRARY_IMPL(HCACHE_NS, CPU, lib) {
-  lib.impl("causal_attention_bf16", &causal_attention_bf16);
-}
-
-// shapes only, for tracing
-LIBRARY_IMPL(HCACHE_NS, Meta, lib) {
-  lib.impl("causal_attention_bf16", [](const at::Tensor& q, const at::Tensor&, const at::Tensor&, double) {
-    return at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
-  });
-}
+HCACHE_ATTENTION_LIBRARY(HCACHE_NS)

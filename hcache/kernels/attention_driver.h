@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -107,3 +108,18 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 }
 
 }  // namespace hcache
+
+// A form's `causal_attention_bf16` as the library `ns`: each form a library of its own, so
+// that one process can load them all (the tests compare them)
+#define HCACHE_ATTENTION_LIBRARY(ns)                                                         \
+  TORCH_LIBRARY(ns, lib) {                                                                   \
+    lib.def("causal_attention_bf16(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");   \
+  }                                                                                          \
+  TORCH_LIBRARY_IMPL(ns, CPU, lib) { lib.impl("causal_attention_bf16", &causal_attention_bf16); } \
+  /* shapes only, for tracing */                                                             \
+  TORCH_LIBRARY_IMPL(ns, Meta, lib) {                                                        \
+    lib.impl("causal_attention_bf16",                                                        \
+             [](const at::Tensor& q, const at::Tensor&, const at::Tensor&, double) {         \
+               return at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());            \
+             });                                                                             \
+  }
