@@ -21,7 +21,7 @@
 
 namespace {
 
-using hcache::FLOOR, hcache::NONE, hcache::ROWS, hcache::Shape, hcache::TILE;
+using hcache::FLOOR, hcache::NONE, hcache::pair, hcache::ROWS, hcache::Shape, hcache::TILE;
 
 constexpr int KQ = 3;  // keys per score step
 constexpr int RC = 2;  // vectors of 8 rows per score step
@@ -37,12 +37,6 @@ inline __m256 round_bf16(__m256 x) {
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
   const __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
   return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
-}
-
-inline uint32_t pair(const at::BFloat16* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
 }
 
 inline __m256 as_float(uint32_t bits) {

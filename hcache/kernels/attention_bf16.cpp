@@ -30,7 +30,7 @@
 
 namespace {
 
-using hcache::FLOOR, hcache::NONE, hcache::ROWS, hcache::Shape, hcache::TILE;
+using hcache::FLOOR, hcache::NONE, hcache::pair, hcache::ROWS, hcache::Shape, hcache::TILE;
 
 // 2**x where x >= FLOOR, else exactly 0 (masked keys are -inf)
 inline __m512 exp2_or_zero(__m512 x) {
@@ -55,12 +55,6 @@ inline __m512 round_bf16(__m512 x) {
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
   const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
   return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
-}
-
-inline uint32_t pair(const at::BFloat16* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
 }
 
 // A key's K and V rows into L1. The cache's rows are strided (a KV head's D of every

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "steal.h"
 
@@ -22,6 +23,13 @@ constexpr int64_t TILE = 128;   // keys per softmax step
 constexpr int64_t SPLIT = 1024;  // keys per work item
 constexpr float FLOOR = -115.f;  // 2**-115 and below: invisible beside a row's largest term
 constexpr float NONE = -1e30f;   // a running maximum before any key was seen
+
+// a bfloat16 pair's bits: the odd (high) element above the even one
+inline uint32_t pair(const at::BFloat16* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
 
 struct Shape {
   int64_t t, s, prefix, g, d, heads;  // new tokens, keys, keys before them, heads per KV head, head dim, heads

@@ -54,6 +54,7 @@ class _Kernel:
     def __init__(self, name: str, isa: list[str], op: str, runs_here: Callable[[], bool], source: str | None = None):
         self.name, self.isa, self.op, self.runs_here = name, isa, op, runs_here
         self.source = source or name
+        self.library = op.split(".")[0]  # its ops' namespace under torch.ops
         self._lock = threading.Lock()
         self._done = False
         self._op: Callable[..., torch.Tensor] | None = None
@@ -61,7 +62,7 @@ class _Kernel:
     def ops(self) -> Any:
         """Its library of ops (`torch.ops.<namespace>`), built first; only where `get` is not None."""
         self.get()
-        return getattr(torch.ops, self.op.split(".")[0])
+        return getattr(torch.ops, self.library)
 
     def get(self) -> Callable[..., torch.Tensor] | None:
         if not self._done:  # every layer of every forward asks: the lock only until built
