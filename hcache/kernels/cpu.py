@@ -105,8 +105,10 @@ class Cpu:
         """The kernel each hot path runs here, by name."""
         library = "onednn-int8" if torch.backends.mkldnn.is_available() else "int8pack"
         int8, int4 = f"{library}-a{self.head_activation_bits}", f"int4pack-{self.aten.lower()}"
+        decode = "inductor-float32"
         if COMPILE and (self.vnni or self.avx2):  # our kernels' forms
             int8 = int4 = "native-vnni" if self.vnni else "native-avx2"
+            decode = "native-avx512" if self.avx512 else "native-avx2"
         return {
             "cpu": self.kind,
             "aten": self.aten.lower(),
@@ -114,7 +116,7 @@ class Cpu:
             "int8_linear": int8,
             "lm_head": int8,
             "attention": self._attention_form(),
-            "decode_attention": "native-avx512" if COMPILE and self.avx512 else "inductor-float32",
+            "decode_attention": decode,
         }
 
 

@@ -1,9 +1,11 @@
-// A decode step's attention with AVX-512: one new token per sequence over its cached rows,
-// read where they lie in the pool (a row index per key: no gather, no mask tensor).
+// A decode step's attention: one new token per sequence over its cached rows, read where
+// they lie in the pool (a row index per key: no gather, no mask tensor). One source, two
+// forms: AVX-512, and AVX2 with FMA, which gives the AVX-512 form's bits, so replicas of
+// either kind decode a session alike.
 //
 // A KV head's G query heads share each key row, widened once to float32. Work items are
-// (sequence, KV head, span of SPLIT keys): scores in float32, 16 keys' dot products summed
-// together across lanes, a softmax in base 2, then P V; the spans merge by their maxima
+// (sequence, KV head, span of SPLIT keys): scores in float32, a key's 16 lanes of products
+// summed in one fixed tree, a softmax in base 2, then P V; the spans merge by their maxima
 // and sums. Only a sequence's own keys are read, spans start at fixed key positions and
 // each item is one thread's, so a sequence's bits depend neither on the batch around it
 // (nor on how far it was padded) nor on the threads.
@@ -27,26 +29,179 @@ namespace {
 constexpr int64_t SPLIT = 512;  // keys per work item
 constexpr float LOG2E = 1.4426950408889634f;
 
-
-// 16 float32 (or bfloat16, widened) values
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+// The sum of 8 lanes in the order of GCC's _mm512_reduce_add_ps after its first halving:
+// lanes i + 4, then (0 + 2) + (1 + 3)
+inline float sum8(__m256 x) {
+  const __m128 a = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+  const __m128 b = _mm_add_ps(a, _mm_shuffle_ps(a, a, 0x4E));
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_shuffle_ps(b, b, 0x55)));
 }
 
-// Lane i of the result: the sum of v[i]'s 16 lanes (pairs, then quads within 128-bit
-// lanes, then across them: 45 instructions for 16 sums)
+// A key's 16 products sum as ((B0 + B1) + (B2 + B3)), Bk the 4 lanes of 128-bit block k
+// as ((e0 + e2) + (e1 + e3)): in both forms the same steps per 128-bit block. pairs(x, y)
+// leaves per block (x0 + x2, y0 + y2, x1 + x3, y1 + y3); quads of two pairs, each of its 4
+// keys' Bk
+
+#ifdef __AVX512F__
+using Vec = __m512;
+constexpr int VW = 1;  // vectors per 16 lanes
+
+inline void load16(const float* p, Vec* v) { v[0] = _mm512_loadu_ps(p); }
+inline void load16(const at::BFloat16* p, Vec* v) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  v[0] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+inline __m512 pairs(__m512 x, __m512 y) { return _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y)); }
+inline __m512 quads(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
+}
+
+// Lane j of the result: key j's sum (v[j] its 16 lanes of products)
 inline __m512 sum16(const __m512* v) {
   __m512 a[8], b[4];
-  for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)
-    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 8; ++i) a[i] = pairs(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) b[i] = quads(a[2 * i], a[2 * i + 1]);
   const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
   const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
 }
+
+// Head `qh` [D] against 16 widened keys `kb` [16][D]: the first nk scores into `out`
+template <int DV>
+void scores16(const float* qh, const float (*kb)[DV * 16], int64_t nk, float* out) {
+  __m512 part[16];
+  for (int j = 0; j < 16; ++j) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_load_ps(kb[j]));
+    for (int c = 1; c < DV; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), _mm512_load_ps(kb[j] + 16 * c), acc);
+    part[j] = acc;
+  }
+  _mm512_mask_storeu_ps(out, nk >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nk) - 1), sum16(part));
+}
+
+// 2**(s - max) for a head's n scores in place; its maximum and the sum (lane j holding
+// keys j, j + 16, ... in order, then the lanes summed as sum8 does)
+inline void softmax(float* s, int64_t n, float* m, float* l) {
+  const int64_t full = n / 16 * 16;
+  const __mmask16 tail = __mmask16((1u << (n - full)) - 1);
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < full; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
+  if (tail) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + full));
+  const float mh = _mm512_reduce_max_ps(mx);
+  const __m512 mv = _mm512_set1_ps(mh);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < full; j += 16) {
+    const __m512 p = hcache::exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+    _mm512_storeu_ps(s + j, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  if (tail) {
+    const __m512 p = hcache::exp2_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + full), mv), tail);
+    _mm512_mask_storeu_ps(s + full, tail, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  *m = mh;
+  *l = sum8(_mm256_add_ps(_mm512_extractf32x8_ps(sum, 1), _mm512_castps512_ps256(sum)));
+}
+
+// P V's register blocking: heads at a time, and 16-lane column chunks of D at a time
+template <int DV>
+constexpr int HC = DV >= 16 ? 1 : 16 / DV;
+template <int DV>
+constexpr int CW = DV;
+
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec set1(float x) { return _mm512_set1_ps(x); }
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+
+#else
+using Vec = __m256;
+constexpr int VW = 2;
+
+inline void load16(const float* p, Vec* v) { v[0] = _mm256_loadu_ps(p), v[1] = _mm256_loadu_ps(p + 8); }
+inline void load16(const at::BFloat16* p, Vec* v) {
+  for (int i = 0; i < 2; ++i) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * i)));
+    v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+}
+inline __m256 pairs(__m256 x, __m256 y) { return _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y)); }
+inline __m256 quads(__m256 x, __m256 y) {
+  return _mm256_add_ps(_mm256_shuffle_ps(x, y, 0x44), _mm256_shuffle_ps(x, y, 0xEE));
+}
+
+// sum16's tree, 4 keys at a time: each key's lanes 0-7 (blocks 0, 1) and 8-15 (2, 3)
+template <int DV>
+void scores16(const float* qh, const float (*kb)[DV * 16], int64_t nk, float* out) {
+  for (int j0 = 0; j0 < nk; j0 += 4) {
+    __m256 part[4][2];
+    for (int j = 0; j < 4; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const float* k = kb[j0 + j] + 8 * h;
+        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qh + 8 * h), _mm256_load_ps(k));
+        for (int c = 1; c < DV; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 16 * c + 8 * h), _mm256_load_ps(k + 16 * c), acc);
+        part[j][h] = acc;
+      }
+    __m128 half[2];  // B0 + B1 and B2 + B3 of the 4 keys
+    for (int h = 0; h < 2; ++h) {
+      const __m256 b = quads(pairs(part[0][h], part[1][h]), pairs(part[2][h], part[3][h]));
+      half[h] = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+    }
+    alignas(16) float s[4];
+    _mm_store_ps(s, _mm_add_ps(half[0], half[1]));
+    for (int j = 0; j < 4 && j0 + j < nk; ++j) out[j0 + j] = s[j];
+  }
+}
+
+inline __m256 first(int64_t n) {  // lanes 0..n-1 all ones
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+// softmax's lanes as two vectors of 8: the same per-lane steps, the same sum
+inline void softmax(float* s, int64_t n, float* m, float* l) {
+  const int64_t full = n / 16 * 16, left = n - full;
+  const __m256 t0 = first(left), t1 = first(left - 8);
+  const __m256i i0 = _mm256_castps_si256(t0), i1 = _mm256_castps_si256(t1);
+  __m256 mx0 = _mm256_set1_ps(-INFINITY), mx1 = mx0;
+  for (int64_t j = 0; j < full; j += 16)
+    mx0 = _mm256_max_ps(mx0, _mm256_loadu_ps(s + j)), mx1 = _mm256_max_ps(mx1, _mm256_loadu_ps(s + j + 8));
+  if (left) {
+    mx0 = _mm256_blendv_ps(mx0, _mm256_max_ps(mx0, _mm256_maskload_ps(s + full, i0)), t0);
+    mx1 = _mm256_blendv_ps(mx1, _mm256_max_ps(mx1, _mm256_maskload_ps(s + full + 8, i1)), t1);
+  }
+  __m256 x = _mm256_max_ps(mx0, mx1);
+  x = _mm256_max_ps(x, _mm256_permute2f128_ps(x, x, 1));
+  x = _mm256_max_ps(x, _mm256_permute_ps(x, 0x4E));
+  const float mh = _mm256_cvtss_f32(_mm256_max_ps(x, _mm256_permute_ps(x, 0xB1)));
+  const __m256 mv = _mm256_set1_ps(mh);
+  __m256 sum0 = _mm256_setzero_ps(), sum1 = sum0;
+  for (int64_t j = 0; j < full; j += 16) {
+    const __m256 p0 = hcache::exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+    const __m256 p1 = hcache::exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j + 8), mv));
+    _mm256_storeu_ps(s + j, p0), _mm256_storeu_ps(s + j + 8, p1);
+    sum0 = _mm256_add_ps(sum0, p0), sum1 = _mm256_add_ps(sum1, p1);
+  }
+  if (left) {  // lanes past n are 0, as the AVX-512 form's masked exp2 leaves them
+    const __m256 p0 = _mm256_and_ps(hcache::exp2_ps(_mm256_sub_ps(_mm256_maskload_ps(s + full, i0), mv)), t0);
+    const __m256 p1 = _mm256_and_ps(hcache::exp2_ps(_mm256_sub_ps(_mm256_maskload_ps(s + full + 8, i1), mv)), t1);
+    _mm256_maskstore_ps(s + full, i0, p0), _mm256_maskstore_ps(s + full + 8, i1, p1);
+    sum0 = _mm256_add_ps(sum0, p0), sum1 = _mm256_add_ps(sum1, p1);
+  }
+  *m = mh;
+  *l = sum8(_mm256_add_ps(sum1, sum0));
+}
+
+// 16 registers: 6 heads by 16 lanes of accumulators, a value chunk and a broadcast
+template <int DV>
+constexpr int HC = 6;
+template <int DV>
+constexpr int CW = 1;
+
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec set1(float x) { return _mm256_set1_ps(x); }
+inline Vec zero() { return _mm256_setzero_ps(); }
+inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+#endif
 
 struct Shape {
   int64_t g, width, kvh;           // query heads per KV head, keys per row of `rows`, KV heads
@@ -61,73 +216,44 @@ template <int DV, typename KT>
 void span(const Shape& sh, const float* q, const KT* kp, const KT* vp, const int64_t* rows, int64_t h, int64_t k0,
           int64_t k1, float* sc, float* o, float* m, float* l) {
   constexpr int64_t D = DV * 16;
-  constexpr int HC = DV >= 16 ? 1 : 16 / DV;  // heads whose P V accumulators fit the registers
+  constexpr int hc = HC<DV>, cw = CW<DV>;
   const int64_t g = sh.g, n = k1 - k0;
   alignas(64) float kb[16][D];
-  // scores, 16 keys at a time: each key widened once, every head's 16 dot products summed together
+  // scores, 16 keys at a time: each key widened once, then every head's
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t nk = std::min<int64_t>(16, n - j0);
-    for (int64_t j = 0; j < nk; ++j) {
-      const KT* kr = kp + rows[k0 + j0 + j] * sh.ks0 + h * sh.ks1;
-      for (int c = 0; c < DV; ++c) _mm512_store_ps(kb[j] + 16 * c, load16(kr + 16 * c));
-    }
-    for (int64_t j = nk; j < 16; ++j)
-      for (int c = 0; c < DV; ++c) _mm512_store_ps(kb[j] + 16 * c, _mm512_setzero_ps());
-    for (int64_t hq = 0; hq < g; ++hq) {
-      __m512 part[16];
-      const float* qh = q + hq * D;
-      for (int j = 0; j < 16; ++j) {
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_load_ps(kb[j]));
-        for (int c = 1; c < DV; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), _mm512_load_ps(kb[j] + 16 * c), acc);
-        part[j] = acc;
-      }
-      const __mmask16 real = nk == 16 ? __mmask16(0xFFFF) : __mmask16((1u << nk) - 1);
-      _mm512_mask_storeu_ps(sc + hq * SPLIT + j0, real, sum16(part));
-    }
-  }
-  // softmax in base 2, each head over its n scores in key order
-  const int64_t full = n / 16 * 16;
-  const __mmask16 tail = __mmask16((1u << (n - full)) - 1);
-  for (int64_t hq = 0; hq < g; ++hq) {
-    float* s = sc + hq * SPLIT;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < full; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
-    if (tail) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + full));
-    const float mh = _mm512_reduce_max_ps(mx);
-    const __m512 mv = _mm512_set1_ps(mh);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < full; j += 16) {
-      const __m512 p = hcache::exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
-      _mm512_storeu_ps(s + j, p);
-      sum = _mm512_add_ps(sum, p);
-    }
-    if (tail) {
-      const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + full), mv);
-      const __m512 p = hcache::exp2_ps(x, tail);
-      _mm512_mask_storeu_ps(s + full, tail, p);
-      sum = _mm512_add_ps(sum, p);
-    }
-    m[hq] = mh;
-    l[hq] = _mm512_reduce_add_ps(sum);
-  }
-  // P V, HC heads at a time: each value row widened once per group of heads
-  for (int64_t h0 = 0; h0 < g; h0 += HC) {
-    const int hn = int(std::min<int64_t>(HC, g - h0));
-    __m512 acc[HC][DV];
-    for (int a = 0; a < HC; ++a)
-      for (int c = 0; c < DV; ++c) acc[a][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const KT* vr = vp + rows[k0 + j] * sh.vs0 + h * sh.vs1;
-      __m512 vv[DV];
-      for (int c = 0; c < DV; ++c) vv[c] = load16(vr + 16 * c);
-      for (int a = 0; a < HC; ++a) {
-        if (a >= hn) break;
-        const __m512 p = _mm512_set1_ps(sc[(h0 + a) * SPLIT + j]);
-        for (int c = 0; c < DV; ++c) acc[a][c] = _mm512_fmadd_ps(p, vv[c], acc[a][c]);
+    for (int64_t j = 0; j < 16; ++j) {
+      const KT* kr = j < nk ? kp + rows[k0 + j0 + j] * sh.ks0 + h * sh.ks1 : nullptr;
+      for (int c = 0; c < DV; ++c) {
+        Vec x[VW];
+        for (int w = 0; w < VW; ++w) x[w] = zero();
+        if (kr) load16(kr + 16 * c, x);
+        for (int w = 0; w < VW; ++w) store(kb[j] + 16 * c + 16 / VW * w, x[w]);
       }
     }
-    for (int a = 0; a < hn; ++a)
-      for (int c = 0; c < DV; ++c) _mm512_storeu_ps(o + (h0 + a) * D + 16 * c, acc[a][c]);
+    for (int64_t hq = 0; hq < g; ++hq) scores16<DV>(q + hq * D, kb, nk, sc + hq * SPLIT + j0);
+  }
+  for (int64_t hq = 0; hq < g; ++hq) softmax(sc + hq * SPLIT, n, m + hq, l + hq);
+  // P V, hc heads by cw 16-lane chunks at a time: each key's value chunk widened once per group
+  for (int64_t h0 = 0; h0 < g; h0 += hc) {
+    const int hn = int(std::min<int64_t>(hc, g - h0));
+    for (int c0 = 0; c0 < DV; c0 += cw) {
+      Vec acc[hc][cw * VW];
+      for (int a = 0; a < hc; ++a)
+        for (int c = 0; c < cw * VW; ++c) acc[a][c] = zero();
+      for (int64_t j = 0; j < n; ++j) {
+        const KT* vr = vp + rows[k0 + j] * sh.vs0 + h * sh.vs1 + 16 * c0;
+        Vec vv[cw * VW];
+        for (int c = 0; c < cw; ++c) load16(vr + 16 * c, vv + VW * c);
+        for (int a = 0; a < hc; ++a) {
+          if (a >= hn) break;
+          const Vec p = set1(sc[(h0 + a) * SPLIT + j]);
+          for (int c = 0; c < cw * VW; ++c) acc[a][c] = fmadd(p, vv[c], acc[a][c]);
+        }
+      }
+      for (int a = 0; a < hn; ++a)
+        for (int c = 0; c < cw * VW; ++c) store(o + (h0 + a) * D + 16 * c0 + 16 / VW * c, acc[a][c]);
+    }
   }
 }
 
@@ -233,16 +359,24 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 }  // namespace
 
-TORCH_LIBRARY(hcache_decode, lib) {
+#ifdef __AVX512F__
+#define HCACHE_NS hcache_decode
+#else
+#define HCACHE_NS hcache_decode_avx2
+#endif
+#define LIBRARY(ns, lib) TORCH_LIBRARY(ns, lib)
+#define LIBRARY_IMPL(ns, key, lib) TORCH_LIBRARY_IMPL(ns, key, lib)
+
+LIBRARY(HCACHE_NS, lib) {
   lib.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor lengths, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(hcache_decode, CPU, lib) {
+LIBRARY_IMPL(HCACHE_NS, CPU, lib) {
   lib.impl("decode_attention", &decode_attention);
 }
 
 // shapes only, for tracing: symbolic, so a compiled graph serves every batch
-TORCH_LIBRARY_IMPL(hcache_decode, Meta, lib) {
+LIBRARY_IMPL(HCACHE_NS, Meta, lib) {
   lib.impl("decode_attention", [](const at::Tensor& q, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                   const at::Tensor&, double) {
     return at::empty_symint({q.sym_size(0), q.sym_size(1) * q.sym_size(2)}, q.options());

@@ -13,9 +13,9 @@ that arithmetic in AVX2, for CPUs without AVX-512.
 machine's read rate. Without VNNI the same source builds for AVX2 (the same integers):
 there oneDNN's AVX2 GEMM took 5.5 ms for the default model's head at one row, ours 1.2.
 `decode_attention`: a decode step's attention over the pool's rows where they lie, with
-AVX-512 float32 dot products (`decode_attention.cpp`): inductor's fused reductions over
-the gathered rows sum each key's products across lanes one at a time, far below the FMA
-rate at a batch's sizes.
+float32 dot products in an AVX-512 and an AVX2 form (`decode_attention.cpp`): inductor's
+fused reductions over the gathered rows sum each key's products across lanes one at a
+time, far below the FMA rate at a batch's sizes.
 `int4_gemm`: the same for 4-bit weight groups (`int4_gemm.cpp`), in a VNNI and an AVX2
 form: torch's int4 kernel widens the weights to float32, which is FMA-bound at a batch's
 rows and streams at under half the read rate at one.
@@ -95,11 +95,19 @@ _INT4_AVX2 = _Kernel(
     "int4_gemm_avx2", ["-mavx2"], "hcache_int4_avx2.int4_linear", lambda: cpu().avx2, source="int4_gemm"
 )
 _DECODE = _Kernel("decode_attention", [*_AVX512, "-mavx512dq"], "hcache_decode.decode_attention", lambda: cpu().avx512)
+_DECODE_AVX2 = _Kernel(
+    "decode_attention_avx2",
+    ["-mavx2"],
+    "hcache_decode_avx2.decode_attention",
+    lambda: cpu().avx2,
+    source="decode_attention",
+)
 # the forms this CPU serves with
 _SERVED_ATTENTION = _ATTENTION if cpu().bf16 else _ATTENTION_F if cpu().avx512 else _ATTENTION_AVX2
 _SERVED_INT4 = _INT4 if cpu().vnni else _INT4_AVX2
 _SERVED_INT8 = _INT8 if cpu().vnni else _INT8_AVX2
-KERNELS = (_SERVED_INT8, _SERVED_INT4, _SERVED_ATTENTION, _DECODE)
+_SERVED_DECODE = _DECODE if cpu().avx512 else _DECODE_AVX2
+KERNELS = (_SERVED_INT8, _SERVED_INT4, _SERVED_ATTENTION, _SERVED_DECODE)
 
 
 def build_all() -> list[threading.Thread]:
@@ -137,8 +145,14 @@ def decode_attention() -> Callable[..., torch.Tensor] | None:
     """`op(q [B, H, D], k [N, KvH, D], v, rows [B, W], lengths [B], scale) -> [B, H*D]`: each
     sequence's new token over its first `lengths[b]` keys, pool rows `rows[b]` (int64); q
     float32 or bfloat16, the pools bfloat16 or float32, head dims contiguous, D one of
-    `DECODE_HEAD_DIMS`; the output in q's dtype."""
-    return _DECODE.get()
+    `DECODE_HEAD_DIMS`; the output in q's dtype. With AVX-512 its AVX-512 form, else its
+    AVX2 one (`decode_attention_avx2`): the same bits."""
+    return _SERVED_DECODE.get()
+
+
+def decode_attention_avx2() -> Callable[..., torch.Tensor] | None:
+    """`decode_attention`'s AVX2 form on any CPU with AVX2 and FMA, for comparing the two forms."""
+    return _DECODE_AVX2.get()
 
 
 def int8_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor] | None:

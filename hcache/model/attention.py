@@ -40,9 +40,10 @@ def decode_attention(
     keys at pool rows `rows[b]` (`[B, W]`, W whole key blocks), of which it attends to the
     first `lengths[b]`; returns `[B, H*D]`.
     Every decode path (alone or batched, eager or inside the compiled step) comes here so
-    that a sequence's bits depend neither on its batch nor on the path. On a CPU with
-    AVX-512 that is our kernel (`native.decode_attention`), which reads the rows where they
-    lie; on other CPUs `_decode_rows`, compiled even when called eagerly; elsewhere torch's
+    that a sequence's bits depend neither on its batch nor on the path. On x86 with AVX2
+    that is our kernel (`native.decode_attention`, one set of bits for its AVX-512 and AVX2
+    forms), which reads the rows where they lie; on other CPUs `_decode_rows`, compiled
+    even when called eagerly; elsewhere torch's
     SDPA over the gathered rows, a KV head's query heads as that head's query rows (K/V
     never repeated) in the keys' dtype."""
     d = k.shape[2]

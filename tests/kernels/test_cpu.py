@@ -20,7 +20,7 @@ ARM = Cpu("aarch64", "DEFAULT", avx512=False, bf16=False, amx=False, int8_vnni=F
 @pytest.mark.parametrize(
     "c,kind,int4,int8,attention,decode",
     [
-        (ZEN3, "avx2", "native-avx2", "native-avx2", "native-avx2", "inductor-float32"),
+        (ZEN3, "avx2", "native-avx2", "native-avx2", "native-avx2", "native-avx2"),
         (SKYLAKE, "avx512", "native-avx2", "native-avx2", "native-avx512f", "native-avx512"),
         (ICE_LAKE, "avx512_vnni", "native-vnni", "native-vnni", "native-avx512f", "native-avx512"),
         (ZEN4, "avx512_bf16", "native-vnni", "native-vnni", "native-bf16", "native-avx512"),
@@ -42,6 +42,7 @@ def test_without_a_compiler_every_kind_takes_the_library_paths(monkeypatch):
     monkeypatch.setattr(probe.torch.backends.mkldnn, "is_available", lambda: True)
     zen3, ice = ZEN3.paths(), ICE_LAKE.paths()
     assert (zen3["int4_linear"], zen3["lm_head"], zen3["attention"]) == ("int4pack-avx2", "onednn-int8-a7", "float32")
+    assert zen3["decode_attention"] == ice["decode_attention"] == "inductor-float32"
     # oneDNN sums VNNI's byte products in 32 bits: 8-bit activations there, 7 without
     assert (ice["int4_linear"], ice["lm_head"], ice["attention"]) == ("int4pack-avx512", "onednn-int8-a8", "float32")
 

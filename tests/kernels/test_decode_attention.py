@@ -1,16 +1,28 @@
-"""A decode step's attention (`decode_attention`): our AVX-512 kernel
-(hcache/kernels/decode_attention.cpp) and the inductor path of CPUs without it, against a
-float64 reference, and the property the engine leans on: a sequence's output has the same
-bits alone or in any batch, wherever its rows lie in the pool and whatever the padding."""
+"""A decode step's attention (`decode_attention`): each form of our kernel this CPU runs
+(hcache/kernels/decode_attention.cpp: AVX-512, AVX2) and the inductor path of CPUs without
+it, against a float64 reference, and the property the engine leans on: a sequence's output
+has the same bits alone or in any batch, wherever its rows lie in the pool and whatever the
+padding. The AVX2 form gives the AVX-512 form's bits."""
 
 import pytest
 import torch
 
 from hcache.kernels import native
+from hcache.kernels.cpu import cpu
 from hcache.model.attention import _compiled_decode
 
-op = native.decode_attention()
-needs_kernel = pytest.mark.skipif(op is None, reason="needs AVX-512 and a C++ compiler")
+FORMS = {"avx512": lambda: native.decode_attention() if cpu().avx512 else None, "avx2": native.decode_attention_avx2}
+needs_kernel = pytest.mark.skipif(
+    native.decode_attention() is None, reason=f"needs AVX2 and a C++ compiler; this CPU is {cpu().kind}"
+)
+
+
+@pytest.fixture(params=sorted(FORMS))
+def op(request):
+    form = FORMS[request.param]()
+    if form is None:
+        pytest.skip(f"the {request.param} form does not run on this CPU ({cpu().kind})")
+    return form
 
 
 def reference(
@@ -56,7 +68,7 @@ CASES = [
 @needs_kernel
 @pytest.mark.parametrize("lengths,heads,kv_heads,d", CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_kernel_matches_the_reference(lengths, heads, kv_heads, d, dtype):
+def test_the_kernel_matches_the_reference(op, lengths, heads, kv_heads, d, dtype):
     """float32 products and sums over float32 or widened bfloat16 rows: within float32's
     rounding of a weighted mean of values of a few units."""
     q, k, v, rows, n = inputs(lengths, heads, kv_heads, d, dtype, 1)
@@ -80,7 +92,7 @@ def _alone_and_batched(attend, q, k, v, rows, n) -> None:
 
 
 @needs_kernel
-def test_a_sequence_has_the_same_bits_alone_in_a_batch_and_anywhere_in_the_pool():
+def test_a_sequence_has_the_same_bits_alone_in_a_batch_and_anywhere_in_the_pool(op):
     q, k, v, rows, n = inputs([700, 5, 1100, 64], 9, 3, 64, torch.bfloat16, 2)
     _alone_and_batched(lambda *a: op(*a, 0.125), q, k, v, rows, n)
 
@@ -95,7 +107,7 @@ def test_the_inductor_path_has_the_same_bits_alone_and_batched():
 
 
 @needs_kernel
-def test_the_threads_change_no_bit():
+def test_the_threads_change_no_bit(op):
     q, k, v, rows, n = inputs([1100, 300], 14, 2, 64, torch.bfloat16, 4)
     threads = torch.get_num_threads()
     try:
@@ -109,7 +121,7 @@ def test_the_threads_change_no_bit():
 
 
 @needs_kernel
-def test_rows_past_a_sequence_are_never_read():
+def test_rows_past_a_sequence_are_never_read(op):
     q, k, v, rows, n = inputs([100, 30], 9, 3, 64, torch.float32, 5)
     before = op(q, k, v, rows, n, 0.125)
     k2, v2 = k.clone(), v.clone()
@@ -122,7 +134,7 @@ def test_rows_past_a_sequence_are_never_read():
 
 
 @needs_kernel
-def test_bad_input_is_refused():
+def test_bad_input_is_refused(op):
     q, k, v, rows, n = inputs([10, 20], 9, 3, 64, torch.bfloat16, 6)
     with pytest.raises(RuntimeError, match="length outside"):
         op(q, k, v, rows, torch.tensor([0, 20]), 0.125)
@@ -134,3 +146,18 @@ def test_bad_input_is_refused():
         op(q[..., :40], k[..., :40], v[..., :40], rows, n, 0.125)
     with pytest.raises(RuntimeError, match="one dtype"):
         op(q, k, v.float(), rows, n, 0.125)
+
+
+@pytest.mark.skipif(
+    not cpu().avx512, reason=f"needs AVX-512 to run the AVX-512 form beside the AVX2 one; this CPU is {cpu().kind}"
+)
+@pytest.mark.parametrize("lengths,heads,kv_heads,d", [*CASES, ([2000, 1, 513, 15], 7, 1, 32), ([80], 2, 1, 256)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_avx2_form_gives_the_avx512_forms_bits(lengths, heads, kv_heads, d, dtype):
+    """A session decodes alike on AVX2 and AVX-512 replicas: every head size, partial
+    groups of 16 keys, spans past 512, float32 and bfloat16 q."""
+    avx2, avx512 = native.decode_attention_avx2(), native.decode_attention()
+    assert avx2 is not None and avx512 is not None
+    q, k, v, rows, n = inputs(lengths, heads, kv_heads, d, dtype, 7)
+    for qd in (torch.float32, torch.bfloat16):
+        assert torch.equal(avx2(q.to(qd), k, v, rows, n, d**-0.5), avx512(q.to(qd), k, v, rows, n, d**-0.5))
