@@ -5,8 +5,10 @@
 // merge as there (attention_driver.h). So a turn attends to the same bits on AVX2 and
 // AVX-512 replicas. Without it, AVX2 widened K/V to float32 copies for torch's flash kernel.
 //
-// AVX2 has 16 vector registers: the scores take 3 keys against 16 rows at a time, P V 6 rows
-// against 16 elements of D, rather than holding a work item's every row.
+// AVX2 has 16 vector registers: the scores take 4 keys against 16 rows at a time, P V 6 rows
+// against 16 elements of D, rather than holding a work item's every row. A score step's keys
+// are widened once for all its rows, and each element is then one broadcast load: widened in
+// the loop over rows, the scalar splits and broadcasts outnumbered the FMAs.
 
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -23,12 +25,16 @@ namespace {
 
 using hcache::FLOOR, hcache::NONE, hcache::pair, hcache::ROWS, hcache::Shape, hcache::TILE;
 
-constexpr int KQ = 3;  // keys per score step
+constexpr int KQ = 4;  // keys per score step
 constexpr int RC = 2;  // vectors of 8 rows per score step
 
-// 2**x where x >= FLOOR, else exactly 0 (masked keys are -inf)
+// 2**x where FLOOR <= x <= 0, else exactly 0 (masked keys are -inf). Over that range
+// scalef's p * 2**n is normal, so one product by 2**n from its exponent bits is exact: the
+// AVX-512 forms' bits, without vec_math.h's steps for the far ranges
 inline __m256 exp2_or_zero(__m256 x) {
-  return _mm256_and_ps(hcache::exp2_ps(x), _mm256_cmp_ps(x, _mm256_set1_ps(FLOOR), _CMP_GE_OQ));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 p = _mm256_mul_ps(hcache::exp2_poly(_mm256_sub_ps(x, n)), hcache::pow2(n));
+  return _mm256_and_ps(p, _mm256_cmp_ps(x, _mm256_set1_ps(FLOOR), _CMP_GE_OQ));
 }
 
 // float32 rounded to the nearest bfloat16, ties to even, kept as float32 (P is finite, >= 0)
@@ -39,26 +45,30 @@ inline __m256 round_bf16(__m256 x) {
   return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
 }
 
-inline __m256 as_float(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return _mm256_set1_ps(f);
+// keys kr[0..KQ] as float32, split into each pair's odd and even elements: [KQ][D/2] each,
+// once per step for every row vector's scores
+inline void widen_keys(const at::BFloat16* const* kr, int64_t dp, float (*ko)[64], float (*ke)[64]) {
+  const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+  for (int a = 0; a < KQ; ++a)
+    for (int64_t e = 0; e < dp; e += 8) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kr[a] + 2 * e));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(&ko[a][e]), _mm256_and_si256(x, high));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(&ke[a][e]), _mm256_slli_epi32(x, 16));
+    }
 }
 
-// scores of keys kr[0..KQ] against row vectors i0..i0+RC: each pair's odd element first
-inline void scores(const float (*qo)[ROWS], const float (*qe)[ROWS], const at::BFloat16* const* kr, int64_t dp, int i0,
-                   __m256 (&acc)[KQ][RC]) {
+// scores of the widened keys against row vectors i0..i0+RC: each pair's odd element first
+inline void scores(const float (*qo)[ROWS], const float (*qe)[ROWS], const float (*ko)[64], const float (*ke)[64],
+                   int64_t dp, int i0, __m256 (&acc)[KQ][RC]) {
   for (int a = 0; a < KQ; ++a)
     for (int i = 0; i < RC; ++i) acc[a][i] = _mm256_setzero_ps();
   for (int64_t e = 0; e < dp; ++e) {
-    __m256 ko[KQ], ke[KQ];
+    __m256 qox[RC], qex[RC];
+    for (int i = 0; i < RC; ++i)
+      qox[i] = _mm256_load_ps(&qo[e][8 * (i0 + i)]), qex[i] = _mm256_load_ps(&qe[e][8 * (i0 + i)]);
     for (int a = 0; a < KQ; ++a) {
-      const uint32_t x = pair(kr[a] + 2 * e);
-      ko[a] = as_float(x & 0xFFFF0000u), ke[a] = as_float(x << 16);
-    }
-    for (int i = 0; i < RC; ++i) {
-      const __m256 qox = _mm256_load_ps(&qo[e][8 * (i0 + i)]), qex = _mm256_load_ps(&qe[e][8 * (i0 + i)]);
-      for (int a = 0; a < KQ; ++a) acc[a][i] = _mm256_fmadd_ps(qex, ke[a], _mm256_fmadd_ps(qox, ko[a], acc[a][i]));
+      const __m256 kox = _mm256_broadcast_ss(&ko[a][e]), kex = _mm256_broadcast_ss(&ke[a][e]);
+      for (int i = 0; i < RC; ++i) acc[a][i] = _mm256_fmadd_ps(qex[i], kex, _mm256_fmadd_ps(qox[i], kox, acc[a][i]));
     }
   }
 }
@@ -93,6 +103,7 @@ void span(int rv, const Shape& sh, const at::BFloat16* q, const at::BFloat16* k,
   alignas(32) float pf[TILE][ROWS];  // P rounded to bfloat16: [keys][rows]
   alignas(32) float vf[TILE * 128];  // V widened: [keys][D]
   alignas(32) int32_t tok[ROWS];  // each row's new token: it sees keys up to prefix + tok
+  alignas(32) float ko[KQ][64], ke[KQ][64];  // a score step's keys, widened
   for (int64_t r = 0; r < R; ++r) {
     const bool real = r < nr;
     const int64_t row = r0 + (real ? r : 0);
@@ -129,9 +140,10 @@ void span(int rv, const Shape& sh, const at::BFloat16* q, const at::BFloat16* k,
             _mm_prefetch(reinterpret_cast<const char*>(vh + key * sh.vs0 + e), _MM_HINT_T0);
           }
       }
+      widen_keys(kr, dp, ko, ke);
       for (int64_t i0 = 0; i0 < nv; i0 += RC) {
         __m256 acc[KQ][RC];
-        scores(qo, qe, kr, dp, int(i0), acc);
+        scores(qo, qe, ko, ke, dp, int(i0), acc);
         for (int a = 0; a < KQ; ++a) {
           const int64_t key = kt + j + a;
           for (int i = 0; i < RC; ++i) {
