@@ -43,9 +43,8 @@ def decode_attention(
     that a sequence's bits depend neither on its batch nor on the path. On x86 with AVX2
     that is our kernel (`native.decode_attention`, one set of bits for its AVX-512 and AVX2
     forms), which reads the rows where they lie; on other CPUs `_decode_rows`, compiled
-    even when called eagerly; elsewhere torch's
-    SDPA over the gathered rows, a KV head's query heads as that head's query rows (K/V
-    never repeated) in the keys' dtype."""
+    even when called eagerly; elsewhere torch's SDPA over the gathered rows, a KV head's
+    query heads as that head's query rows (K/V never repeated) in the keys' dtype."""
     d = k.shape[2]
     scale = d**-0.5 if scale is None else scale
     if q.device.type == "cpu":

@@ -6,6 +6,7 @@ padding. The AVX2 form gives the AVX-512 form's bits."""
 
 import pytest
 import torch
+from kernel_helpers import form_fixture
 
 from hcache.kernels import native
 from hcache.kernels.cpu import cpu
@@ -17,12 +18,7 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=sorted(FORMS))
-def op(request):
-    form = FORMS[request.param]()
-    if form is None:
-        pytest.skip(f"the {request.param} form does not run on this CPU ({cpu().kind})")
-    return form
+op = form_fixture(FORMS)
 
 
 def reference(

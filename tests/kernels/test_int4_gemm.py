@@ -5,6 +5,7 @@ order, at the shapes that take each of its remainder paths."""
 
 import pytest
 import torch
+from kernel_helpers import form_fixture
 
 from hcache.kernels import native
 from hcache.kernels.cpu import cpu
@@ -15,12 +16,7 @@ served = native.int4_gemm()
 pytestmark = pytest.mark.skipif(served is None, reason=f"needs AVX2 and a C++ compiler; this CPU is {cpu().kind}")
 
 
-@pytest.fixture(params=sorted(FORMS))
-def op(request):
-    form = FORMS[request.param]()
-    if form is None:
-        pytest.skip(f"the {request.param} form does not run on this CPU ({cpu().kind})")
-    return form
+op = form_fixture(FORMS)
 
 
 def integer_reference(a: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
