@@ -209,6 +209,21 @@ struct Shape {
   float c;                         // scale * log2(e)
 };
 
+// A step reads each layer's pools once, so a sequence's rows come from memory, where their
+// index hides them from the prefetchers. The first item of a span reads its keys' rows, every
+// KV head's K and V, with plain loads in key order, which the hardware prefetchers follow
+// (they learn from loads, not from prefetch instructions); the span's other items, next on
+// the same thread, find the rows in L2.
+template <typename KT>
+inline void touch_rows(const KT* base, int64_t stride, const int64_t* rows, int64_t n, int64_t bytes) {
+  uint64_t x = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const char* p = reinterpret_cast<const char*>(base + rows[j] * stride);
+    for (int64_t b = 0; b < bytes; b += 64) x += *reinterpret_cast<const volatile uint64_t*>(p + b);
+  }
+  asm volatile("" : : "r"(x));
+}
+
 // Item: KV head h of a sequence over its keys k0..k1 (rows `rows[k0..k1]`), its query
 // heads `q` [G][D] already times `c`. Leaves the unnormalized output `o` [G][D] and each
 // head's maximum `m` and sum `l` (base 2). `sc` holds G * SPLIT scores.
@@ -219,6 +234,16 @@ void span(const Shape& sh, const float* q, const KT* kp, const KT* vp, const int
   constexpr int hc = HC<DV>, cw = CW<DV>;
   const int64_t g = sh.g, n = k1 - k0;
   alignas(64) float kb[16][D];
+  if (h == 0) {
+    const int64_t kbytes = ((sh.kvh - 1) * sh.ks1 + D) * int64_t(sizeof(KT));
+    const int64_t vbytes = ((sh.kvh - 1) * sh.vs1 + D) * int64_t(sizeof(KT));
+    if (vp > kp && vp - kp < sh.ks0 && sh.vs0 == sh.ks0) {  // K and V of a token in one row: one stretch
+      touch_rows(kp, sh.ks0, rows + k0, n, (vp - kp) * int64_t(sizeof(KT)) + vbytes);
+    } else {
+      touch_rows(kp, sh.ks0, rows + k0, n, kbytes);
+      touch_rows(vp, sh.vs0, rows + k0, n, vbytes);
+    }
+  }
   // scores, 16 keys at a time: each key widened once, then every head's
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t nk = std::min<int64_t>(16, n - j0);
@@ -267,15 +292,16 @@ void run(const Shape& sh, const QT* q, const KT* kp, const KT* vp, const int64_t
   at::parallel_for(0, b * kvh * nsp, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> sc(size_t(g * SPLIT)), qf(size_t(g * D));
     for (int64_t it = begin; it < end; ++it) {
-      const int64_t s = it / (kvh * nsp), h = it / nsp % kvh, sp = it % nsp;
+      // a span's KV heads one after another (`touch_rows`); partials kept by (sequence, head, span)
+      const int64_t s = it / (kvh * nsp), sp = it / kvh % nsp, h = it % kvh, at = (s * kvh + h) * nsp + sp;
       const int64_t k0 = sp * SPLIT, k1 = std::min(lengths[s], k0 + SPLIT);
       if (k0 >= k1) continue;  // past this sequence's keys: the merge skips it
       for (int64_t hq = 0; hq < g; ++hq) {
         const QT* qr = q + s * sh.qs0 + (h * g + hq) * sh.qs1;
         for (int64_t e = 0; e < D; ++e) qf[hq * D + e] = static_cast<float>(qr[e]) * sh.c;
       }
-      span<DV, KT>(sh, qf.data(), kp, vp, rows + s * sh.width, h, k0, k1, sc.data(), o.data() + it * g * D,
-                   m.data() + it * g, l.data() + it * g);
+      span<DV, KT>(sh, qf.data(), kp, vp, rows + s * sh.width, h, k0, k1, sc.data(), o.data() + at * g * D,
+                   m.data() + at * g, l.data() + at * g);
     }
   });
   at::parallel_for(0, b * kvh, 1, [&](int64_t begin, int64_t end) {
