@@ -237,8 +237,11 @@ void span(const Shape& sh, const float* q, const KT* kp, const KT* vp, const int
   if (h == 0) {
     const int64_t kbytes = ((sh.kvh - 1) * sh.ks1 + D) * int64_t(sizeof(KT));
     const int64_t vbytes = ((sh.kvh - 1) * sh.vs1 + D) * int64_t(sizeof(KT));
-    if (vp > kp && vp - kp < sh.ks0 && sh.vs0 == sh.ks0) {  // K and V of a token in one row: one stretch
-      touch_rows(kp, sh.ks0, rows + k0, n, (vp - kp) * int64_t(sizeof(KT)) + vbytes);
+    // K and V of a token in one row (the engine's pool): one stretch. Compared as integers:
+    // the pools may be separate tensors
+    const auto ka = reinterpret_cast<uintptr_t>(kp), va = reinterpret_cast<uintptr_t>(vp);
+    if (va > ka && va - ka < uintptr_t(sh.ks0) * sizeof(KT) && sh.vs0 == sh.ks0) {
+      touch_rows(kp, sh.ks0, rows + k0, n, int64_t(va - ka) + vbytes);
     } else {
       touch_rows(kp, sh.ks0, rows + k0, n, kbytes);
       touch_rows(vp, sh.vs0, rows + k0, n, vbytes);
