@@ -153,15 +153,11 @@ void scores16(const float* qh, const float (*kb)[DV * 16], int64_t nk, float* ou
   }
 }
 
-inline __m256 first(int64_t n) {  // lanes 0..n-1 all ones
-  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-}
-
 // softmax's lanes as two vectors of 8: the same per-lane steps, the same sum
 inline void softmax(float* s, int64_t n, float* m, float* l) {
   const int64_t full = n / 16 * 16, left = n - full;
-  const __m256 t0 = first(left), t1 = first(left - 8);
-  const __m256i i0 = _mm256_castps_si256(t0), i1 = _mm256_castps_si256(t1);
+  const __m256i i0 = hcache::first8(left), i1 = hcache::first8(left - 8);
+  const __m256 t0 = _mm256_castsi256_ps(i0), t1 = _mm256_castsi256_ps(i1);
   __m256 mx0 = _mm256_set1_ps(-INFINITY), mx1 = mx0;
   for (int64_t j = 0; j < full; j += 16)
     mx0 = _mm256_max_ps(mx0, _mm256_loadu_ps(s + j)), mx1 = _mm256_max_ps(mx1, _mm256_loadu_ps(s + j + 8));
@@ -224,6 +220,22 @@ inline void touch_rows(const KT* base, int64_t stride, const int64_t* rows, int6
   asm volatile("" : : "r"(x));
 }
 
+// `touch_rows` over every KV head's K and V of keys `rows[0..n]`, head dim d
+template <typename KT>
+void touch_span(const Shape& sh, const KT* kp, const KT* vp, const int64_t* rows, int64_t n, int64_t d) {
+  const int64_t kbytes = ((sh.kvh - 1) * sh.ks1 + d) * int64_t(sizeof(KT));
+  const int64_t vbytes = ((sh.kvh - 1) * sh.vs1 + d) * int64_t(sizeof(KT));
+  // K and V of a token in one row (the engine's pool): one stretch. Compared as integers:
+  // the pools may be separate tensors
+  const auto ka = reinterpret_cast<uintptr_t>(kp), va = reinterpret_cast<uintptr_t>(vp);
+  if (va > ka && va - ka < uintptr_t(sh.ks0) * sizeof(KT) && sh.vs0 == sh.ks0) {
+    touch_rows(kp, sh.ks0, rows, n, int64_t(va - ka) + vbytes);
+  } else {
+    touch_rows(kp, sh.ks0, rows, n, kbytes);
+    touch_rows(vp, sh.vs0, rows, n, vbytes);
+  }
+}
+
 // Item: KV head h of a sequence over its keys k0..k1 (rows `rows[k0..k1]`), its query
 // heads `q` [G][D] already times `c`. Leaves the unnormalized output `o` [G][D] and each
 // head's maximum `m` and sum `l` (base 2). `sc` holds G * SPLIT scores.
@@ -234,19 +246,6 @@ void span(const Shape& sh, const float* q, const KT* kp, const KT* vp, const int
   constexpr int hc = HC<DV>, cw = CW<DV>;
   const int64_t g = sh.g, n = k1 - k0;
   alignas(64) float kb[16][D];
-  if (h == 0) {
-    const int64_t kbytes = ((sh.kvh - 1) * sh.ks1 + D) * int64_t(sizeof(KT));
-    const int64_t vbytes = ((sh.kvh - 1) * sh.vs1 + D) * int64_t(sizeof(KT));
-    // K and V of a token in one row (the engine's pool): one stretch. Compared as integers:
-    // the pools may be separate tensors
-    const auto ka = reinterpret_cast<uintptr_t>(kp), va = reinterpret_cast<uintptr_t>(vp);
-    if (va > ka && va - ka < uintptr_t(sh.ks0) * sizeof(KT) && sh.vs0 == sh.ks0) {
-      touch_rows(kp, sh.ks0, rows + k0, n, int64_t(va - ka) + vbytes);
-    } else {
-      touch_rows(kp, sh.ks0, rows + k0, n, kbytes);
-      touch_rows(vp, sh.vs0, rows + k0, n, vbytes);
-    }
-  }
   // scores, 16 keys at a time: each key widened once, then every head's
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t nk = std::min<int64_t>(16, n - j0);
@@ -295,10 +294,11 @@ void run(const Shape& sh, const QT* q, const KT* kp, const KT* vp, const int64_t
   at::parallel_for(0, b * kvh * nsp, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> sc(size_t(g * SPLIT)), qf(size_t(g * D));
     for (int64_t it = begin; it < end; ++it) {
-      // a span's KV heads one after another (`touch_rows`); partials kept by (sequence, head, span)
+      // a span's KV heads one after another (`touch_span`); partials kept by (sequence, head, span)
       const int64_t s = it / (kvh * nsp), sp = it / kvh % nsp, h = it % kvh, at = (s * kvh + h) * nsp + sp;
       const int64_t k0 = sp * SPLIT, k1 = std::min(lengths[s], k0 + SPLIT);
       if (k0 >= k1) continue;  // past this sequence's keys: the merge skips it
+      if (h == 0) touch_span(sh, kp, vp, rows + s * sh.width + k0, k1 - k0, D);
       for (int64_t hq = 0; hq < g; ++hq) {
         const QT* qr = q + s * sh.qs0 + (h * g + hq) * sh.qs1;
         for (int64_t e = 0; e < D; ++e) qf[hq * D + e] = static_cast<float>(qr[e]) * sh.c;

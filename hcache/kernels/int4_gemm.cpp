@@ -25,6 +25,7 @@
 
 #include "act_quant.h"
 #include "steal.h"
+#include "vec_math.h"
 
 namespace {
 
@@ -172,7 +173,7 @@ void micro(const Operands& o, int64_t r, int64_t t0, int) {
   const int64_t left = std::min<int64_t>(LANES, o.n - t0 * LANES);
   __m256i mask[2];
   for (int h = 0; h < 2; ++h)
-    mask[h] = _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(left - 8 * h)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    mask[h] = hcache::first8(left - 8 * h);
   __m256 sum[MR][2];
   for (int m = 0; m < MR; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {

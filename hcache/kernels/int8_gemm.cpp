@@ -200,7 +200,7 @@ struct TileOut {
     alignas(32) uint16_t s16[LANES] = {};
     std::memcpy(s16, scale + r0, 2 * left);
     for (int h = 0; h < 2; ++h) {
-      mask[h] = _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(left - 8 * h)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      mask[h] = hcache::first8(left - 8 * h);
       // the sums are of a - 128: 128 * rowsum of the zero point's term is in them already
       zc[h] = _mm256_mullo_epi32(_mm256_maskload_epi32(comp + r0 + 8 * h, mask[h]), _mm256_set1_epi32(zero - 128));
       const __m256i b = _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(s16 + 8 * h)));

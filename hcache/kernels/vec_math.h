@@ -3,6 +3,8 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace hcache {
 
 #ifdef __AVX512F__
@@ -23,6 +25,11 @@ inline __m512 exp2_ps(__m512 x, __mmask16 keep = 0xFFFF) {
 }
 
 #endif
+
+// Lanes 0..n-1 of 8 all ones, the rest zero (none for n <= 0): a partial vector's mask
+inline __m256i first8(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
 
 // The polynomial of `exp2_ps` at f = x - round(x), in vectors of 8
 inline __m256 exp2_poly(__m256 f) {
