@@ -70,7 +70,7 @@ at::Tensor pack(const at::Tensor& q) {
 
 struct Operands {
   const int8_t* a;      // [2M, K] activations: row i's first pass, row M + i its second
-  const int32_t* asum;  // [2M, K / GROUP] each group's sum of them, times 8
+  const int32_t* asum;  // [2M, K / GROUP] `group_start` of each group of them
   const float* asumf;   // [2M, K / GROUP] and that sum
   const float* ascale;  // [2M] each row's scale
   const uint8_t* w;     // tiles
@@ -80,6 +80,10 @@ struct Operands {
 };
 
 #ifdef __AVX512VNNI__
+// A group's 32 activations, as the sums of inputs 0-1 and 2-3 of every 4, as the micro-kernel
+// takes them: 8 * their sum, the part of sum(a * q) that the weights' -8 removes
+inline int32_t group_start(const int32_t (&half)[2]) { return 8 * (half[0] + half[1]); }
+
 // rows r..r+P of the activations, both passes of each (rows i and m + i), against tiles
 // t0..t0+nt (nt <= NR): the two passes' sums meet as `y1 * s1 + y2 * s2` in registers.
 // WHOLE (nt == NR, every group but perhaps the last) makes the tile tests compile away: a
@@ -156,6 +160,61 @@ void micro(const Operands& o, int64_t r, int64_t t0, int nt_) {
 }
 
 #else
+// A group's 32 activations (`half`: as above) as the AVX2 sums start: each 32-bit lane's two
+// 16-bit halves sum the products of inputs 0-1 and 2-3 of every 4, and start at -8 times those
+// inputs' sum. Every partial sum is then sum(a * (q - 8)) over the inputs added so far plus
+// -8 * a over the rest: 16 terms of at most 127 * 8, within 16 bits in any order. The halves
+// end as the group's sum(a * (q - 8)): no -8 * sum(a) is left to subtract per row and half tile.
+inline int32_t group_start(const int32_t (&half)[2]) {
+  return int32_t(uint16_t(-8 * half[0]) | uint32_t(uint16_t(-8 * half[1])) << 16);
+}
+
+// One group's integer sums of activation rows a[0..2P] (32 bytes each from `at`) against a
+// tile's 32 inputs (256 bytes at w), added to acc as int16 pairs per lane. In assembly: at
+// P = 2 both halves of a tile for 4 rows (8 registers), the nibbles (4), a broadcast and a
+// product fill 14 of AVX2's 16 registers, and gcc's allocation of the same intrinsics spilled
+// sums to the stack at every step.
+#define I4_UNPACK(W)                                                                            \
+  "prefetcht0 %c[ahead]+" #W "(%[w])\n\t"                                                      \
+  "vmovdqu " #W "(%[w]), %[lo0]\n\tvpsrlw $4, %[lo0], %[hi0]\n\t"                             \
+  "vpand %[low], %[lo0], %[lo0]\n\tvpand %[low], %[hi0], %[hi0]\n\t"                          \
+  "vmovdqu " #W "+32(%[w]), %[lo1]\n\tvpsrlw $4, %[lo1], %[hi1]\n\t"                          \
+  "vpand %[low], %[lo1], %[lo1]\n\tvpand %[low], %[hi1], %[hi1]\n\t"
+#define I4_ROW(ROW, A, S0, S1)                                                                  \
+  "vpbroadcastd " #A "(%[" #ROW "]), %[b]\n\t"                                                  \
+  "vpmaddubsw %[b], %[lo0], %[t]\n\tvpaddw %[t], %[" #S0 "], %[" #S0 "]\n\t"                  \
+  "vpmaddubsw %[b], %[lo1], %[t]\n\tvpaddw %[t], %[" #S1 "], %[" #S1 "]\n\t"                  \
+  "vpbroadcastd " #A "+4(%[" #ROW "]), %[b]\n\t"                                                \
+  "vpmaddubsw %[b], %[hi0], %[t]\n\tvpaddw %[t], %[" #S0 "], %[" #S0 "]\n\t"                  \
+  "vpmaddubsw %[b], %[hi1], %[t]\n\tvpaddw %[t], %[" #S1 "], %[" #S1 "]\n\t"
+#define I4_STEP1(W, A) I4_UNPACK(W) I4_ROW(r0, A, s00, s01) I4_ROW(r1, A, s10, s11)
+#define I4_STEP2(W, A) I4_STEP1(W, A) I4_ROW(r2, A, s20, s21) I4_ROW(r3, A, s30, s31)
+#define I4_GROUP(STEP) STEP(0, 0) STEP(64, 8) STEP(128, 16) STEP(192, 24)
+
+template <int P>
+__attribute__((always_inline)) inline void group_sums(const uint8_t* w, const int8_t* const* a, int64_t at,
+                                                      __m256i (&acc)[2 * P][2]) {
+  static_assert(P == 1 || P == 2, "AVX2 holds the sums of at most 4 rows");
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256i lo0, hi0, lo1, hi1, b, t;
+  const int8_t *r0 = a[0] + at, *r1 = a[1] + at;
+  if constexpr (P == 1) {
+    asm(I4_GROUP(I4_STEP1)
+        : [s00] "+x"(acc[0][0]), [s01] "+x"(acc[0][1]), [s10] "+x"(acc[1][0]), [s11] "+x"(acc[1][1]),
+          [lo0] "=&x"(lo0), [hi0] "=&x"(hi0), [lo1] "=&x"(lo1), [hi1] "=&x"(hi1), [b] "=&x"(b), [t] "=&x"(t)
+        : [w] "r"(w), [r0] "r"(r0), [r1] "r"(r1), [low] "x"(low), [ahead] "i"(AHEAD)
+        : "memory");
+  } else {
+    const int8_t *r2 = a[2] + at, *r3 = a[3] + at;
+    asm(I4_GROUP(I4_STEP2)
+        : [s00] "+x"(acc[0][0]), [s01] "+x"(acc[0][1]), [s10] "+x"(acc[1][0]), [s11] "+x"(acc[1][1]),
+          [s20] "+x"(acc[2][0]), [s21] "+x"(acc[2][1]), [s30] "+x"(acc[3][0]), [s31] "+x"(acc[3][1]),
+          [lo0] "=&x"(lo0), [hi0] "=&x"(hi0), [lo1] "=&x"(lo1), [hi1] "=&x"(hi1), [b] "=&x"(b), [t] "=&x"(t)
+        : [w] "r"(w), [r0] "r"(r0), [r1] "r"(r1), [r2] "r"(r2), [r3] "r"(r3), [low] "x"(low), [ahead] "i"(AHEAD)
+        : "memory");  // it reads the weights and rows
+  }
+}
+
 // The same sums with AVX2 (`vpmaddubsw`): a nibble times an int8 activation, summed in pairs
 // into 16 bits, is at most 2 * 15 * 127; a group's 8 such pairs per lane stay within 16 bits,
 // so the group sums in 16-bit lanes exactly and widens once (`vpmaddwd`), to the VNNI form's
@@ -168,7 +227,9 @@ void micro(const Operands& o, int64_t r, int64_t t0, int) {
   for (int p = 0; p < P; ++p) row[2 * p] = r + p, row[2 * p + 1] = o.m + r + p;
   const int64_t groups = o.k / GROUP;
   const uint8_t* wt = o.w + t0 * (o.k * LANES / 2);
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int8_t* a[MR];
+  for (int m = 0; m < MR; ++m) a[m] = o.a + row[m] * o.k;
+  const __m256i ones = _mm256_set1_epi16(1);
   const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
   const int64_t left = std::min<int64_t>(LANES, o.n - t0 * LANES);
   __m256i mask[2];
@@ -178,34 +239,17 @@ void micro(const Operands& o, int64_t r, int64_t t0, int) {
   for (int m = 0; m < MR; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[MR][2];
-    for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
-    for (int64_t p = g * GROUP / 8; p < (g + 1) * GROUP / 8; ++p) {
-      _mm_prefetch(reinterpret_cast<const char*>(wt + p * 64 + AHEAD), _MM_HINT_T0);
-      __m256i lo[2], hi[2];
-      for (int h = 0; h < 2; ++h) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + p * 64 + 32 * h));
-        lo[h] = _mm256_and_si256(v, low);
-        hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-      }
-      for (int m = 0; m < MR; ++m) {
-        const int32_t* four = reinterpret_cast<const int32_t*>(o.a + row[m] * o.k + p * 8);
-        const __m256i a0 = _mm256_set1_epi32(four[0]), a1 = _mm256_set1_epi32(four[1]);
-        for (int h = 0; h < 2; ++h)
-          acc[m][h] = _mm256_add_epi16(acc[m][h],
-                                       _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], a0), _mm256_maddubs_epi16(hi[h], a1)));
-      }
-    }
+    for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_set1_epi32(o.asum[row[m] * groups + g]);
+    group_sums<P>(wt + g * GROUP * LANES / 2, a, g * GROUP, acc);
     _mm_prefetch(reinterpret_cast<const char*>(o.sz + g * o.n + std::min(t0 + 1, o.tiles - 1) * LANES), _MM_HINT_T0);
     for (int h = 0; h < 2; ++h) {
       const __m256i v = _mm256_maskload_epi32(reinterpret_cast<const int*>(o.sz + g * o.n + t0 * LANES + 8 * h), mask[h]);
       const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
       const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(v, high));
       for (int m = 0; m < MR; ++m) {
-        const int64_t i = row[m] * groups + g;
-        const __m256i whole = _mm256_madd_epi16(acc[m][h], ones);
-        const __m256i centred = _mm256_sub_epi32(whole, _mm256_set1_epi32(o.asum[i]));
+        const __m256i centred = _mm256_madd_epi16(acc[m][h], ones);
         sum[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), scale, sum[m][h]);
-        sum[m][h] = _mm256_fmadd_ps(_mm256_set1_ps(o.asumf[i]), zero, sum[m][h]);
+        sum[m][h] = _mm256_fmadd_ps(_mm256_set1_ps(o.asumf[row[m] * groups + g]), zero, sum[m][h]);
       }
     }
   }
@@ -248,10 +292,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     at::parallel_for(0, 2 * m, 16, [&](int64_t b, int64_t e) {
       for (int64_t row = b; row < e; ++row)
         for (int64_t g = 0; g < groups; ++g) {
-          int32_t acc = 0;
-          for (int64_t j = g * GROUP; j < (g + 1) * GROUP; ++j) acc += qp[row * k + j];
-          s8[row * groups + g] = 8 * acc;
-          sf[row * groups + g] = float(acc);
+          // inputs 0-1 and 2-3 of every 4 apart: what AVX2's sums start from
+          const int8_t* a = qp + row * k + g * GROUP;
+          int32_t half[2] = {0, 0};
+          for (int j = 0; j < GROUP; j += 4) half[0] += a[j] + a[j + 1], half[1] += a[j + 2] + a[j + 3];
+          s8[row * groups + g] = group_start(half);
+          sf[row * groups + g] = float(half[0] + half[1]);
         }
     });
   }

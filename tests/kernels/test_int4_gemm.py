@@ -64,6 +64,26 @@ def test_every_output_is_its_reference_bit_for_bit(op, m, n, k):
     assert torch.equal(op(x.bfloat16(), tiles, sz), op(x.bfloat16().float(), tiles, sz))
 
 
+def test_extreme_values_sum_exactly(op):
+    """Activations at +-127 after quantizing and weights at 0 and 15 (-8 and 7 after the
+    zero point) in every sign pattern: the AVX2 form sums a group in 16-bit lanes, so its
+    largest sums are where it could wrap."""
+    k, n = 96, 48
+    x = torch.full((6, k), 127.0)
+    x[1] = -127.0
+    x[2, ::2] = -127.0
+    x[3, 1::2] = -127.0
+    x[4, : k // 2] = -127.0
+    x[5] = torch.where(torch.arange(k) % 4 < 2, 127.0, -127.0)
+    q = torch.zeros(n, k, dtype=torch.uint8)
+    q[16:32] = 15
+    q[32:40, ::2] = 15
+    q[40:48] = torch.where(torch.arange(k) % 4 < 2, 15, 0).to(torch.uint8)
+    sz = torch.ones(k // 32, n, 2).bfloat16()
+    got = op(x, native.int4_pack(q), sz)
+    assert torch.equal(got, int8_rows_mm(x, lambda a: integer_reference(a, q, sz), 8))
+
+
 def test_a_row_has_the_same_bits_alone_in_any_batch_and_on_any_threads(op):
     x, q, sz = operands(70, 200, 96, 3)
     tiles = native.int4_pack(q)
