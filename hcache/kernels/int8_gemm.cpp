@@ -35,9 +35,11 @@ constexpr int64_t LANES = 16;  // output rows per tile
 #ifdef __AVX512VNNI__
 constexpr int NR = 3;      // tiles a micro-kernel streams at once
 constexpr int MR_MAX = 8;  // activation rows it holds: NR * MR_MAX accumulators
+constexpr int8_t PASS_OFFSET = -128;  // `passes`' activation bytes: + 128, unsigned
 #else
 constexpr int NR = 1;  // AVX2's 16 registers: a tile's two halves for 4 activation rows
 constexpr int MR_MAX = 4;
+constexpr int8_t PASS_OFFSET = 0;  // `passes`' activation bytes: signed, for `sums<MR, true>`
 #endif
 constexpr int64_t AHEAD = 2048;  // bytes of each tile's stream prefetched ahead: a row's step waits on DRAM latency
 constexpr int64_t ACT_BLOCK = 256 * 1024;  // bytes of activation rows a thread keeps in L2
@@ -170,7 +172,10 @@ void micro_passes(const uint8_t* a, int64_t m, int64_t k, const int8_t* w, int64
 // (at most 128) and the weight carrying that sign (|w| <= 127, `pack`), a pair is at most
 // 2 * 128 * 127, exact, and `vpmaddwd` widens it. The sums are of (a - 128) * w: `TileOut`'s
 // zero-point term makes them VNNI's sum(a * w) - zero * sum(w), the same integers.
-template <int MR>
+// SIGNED activations (the two passes' int8 values, within +-127) go the other way round: |w|
+// unsigned, shared by every row, and the activation carrying w's sign, one operation fewer per
+// row and half tile (-128 would have no positive to take, which the passes never hold).
+template <int MR, bool SIGNED = false>
 inline void sums(const uint8_t* const* rows, int64_t k, const int8_t* w, int64_t t0, int, __m256i (&acc)[MR][2]) {
   const int64_t steps = k / 4;
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(int8_t(0x80));
@@ -180,13 +185,24 @@ inline void sums(const uint8_t* const* rows, int64_t k, const int8_t* w, int64_t
     _mm_prefetch(reinterpret_cast<const char*>(wt + s * 64 + AHEAD), _MM_HINT_T0);
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + s * 64));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + s * 64 + 32));
-    for (int m = 0; m < MR; ++m) {
-      int32_t four;
-      std::memcpy(&four, rows[m] + s * 4, 4);
-      const __m256i av = _mm256_xor_si256(_mm256_set1_epi32(four), flip);  // a - 128, signed
-      const __m256i mag = _mm256_abs_epi8(av);
-      acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(w0, av)), ones));
-      acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(w1, av)), ones));
+    if constexpr (SIGNED) {
+      const __m256i m0 = _mm256_abs_epi8(w0), m1 = _mm256_abs_epi8(w1);
+      for (int m = 0; m < MR; ++m) {
+        int32_t four;
+        std::memcpy(&four, rows[m] + s * 4, 4);
+        const __m256i av = _mm256_set1_epi32(four);
+        acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(_mm256_maddubs_epi16(m0, _mm256_sign_epi8(av, w0)), ones));
+        acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(_mm256_maddubs_epi16(m1, _mm256_sign_epi8(av, w1)), ones));
+      }
+    } else {
+      for (int m = 0; m < MR; ++m) {
+        int32_t four;
+        std::memcpy(&four, rows[m] + s * 4, 4);
+        const __m256i av = _mm256_xor_si256(_mm256_set1_epi32(four), flip);  // a - 128, signed
+        const __m256i mag = _mm256_abs_epi8(av);
+        acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(w0, av)), ones));
+        acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(w1, av)), ones));
+      }
     }
   }
 }
@@ -238,7 +254,7 @@ void micro_passes(const uint8_t* a, int64_t m, int64_t k, const int8_t* w, int64
   const uint8_t* rows[2 * P];
   for (int p = 0; p < P; ++p) rows[2 * p] = a + (r + p) * k, rows[2 * p + 1] = a + (m + r + p) * k;
   __m256i acc[2 * P][2];
-  sums<2 * P>(rows, k, w, t0, nt, acc);
+  sums<2 * P, true>(rows, k, w, t0, nt, acc);  // `passes` quantized them signed
   const int64_t r0 = t0 * LANES;
   const TileOut y(r0, n, comp, scale, 128);
   for (int p = 0; p < P; ++p) {
@@ -319,8 +335,8 @@ at::Tensor passes(const at::Tensor& x, const at::Tensor& w, const at::Tensor& co
   const at::Tensor xc = x.contiguous();
   at::Tensor a = at::empty({2 * m, k}, xc.options().dtype(at::kByte));
   std::vector<float> scales(2 * m);
-  // + 128 as a byte: the unsigned form around the zero point
-  hcache::quantize_rows(xc, reinterpret_cast<int8_t*>(a.data_ptr<uint8_t>()), scales.data(), int8_t(-128));
+  // VNNI's unsigned form around the zero point (+ 128 as a byte); AVX2's `sums` take them signed
+  hcache::quantize_rows(xc, reinterpret_cast<int8_t*>(a.data_ptr<uint8_t>()), scales.data(), PASS_OFFSET);
   at::Tensor out = at::empty({m, glu ? n / 2 : n}, xc.options().dtype(at::kFloat));
   const uint8_t* ap = a.data_ptr<uint8_t>();
   const int8_t* wp = w.data_ptr<int8_t>();
