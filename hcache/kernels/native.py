@@ -102,6 +102,8 @@ _DECODE_AVX2 = _Kernel(
     lambda: cpu().avx2,
     source="decode_attention",
 )
+# every form, the served ones and those kept for comparing forms
+FORMS = (_ATTENTION, _ATTENTION_F, _ATTENTION_AVX2, _INT8, _INT8_AVX2, _INT4, _INT4_AVX2, _DECODE, _DECODE_AVX2)
 # the forms this CPU serves with
 _SERVED_ATTENTION = _ATTENTION if cpu().bf16 else _ATTENTION_F if cpu().avx512 else _ATTENTION_AVX2
 _SERVED_INT4 = _INT4 if cpu().vnni else _INT4_AVX2

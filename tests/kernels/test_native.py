@@ -4,16 +4,28 @@ against a float64 reference; the property the engine leans on: a position's outp
 same bits whether its prompt was attended in one call or in pieces; and the forms' bits
 against each other."""
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from hcache.kernels import native
+from hcache.kernels import COMPILE, native
 from hcache.kernels.cpu import cpu
 from hcache.model.attention import _matmul_attention
 
 op = native.attention_bf16()
-pytestmark = pytest.mark.skipif(op is None, reason=f"needs AVX2 and a C++ compiler; this CPU is {cpu().kind}")
+needs_op = pytest.mark.skipif(op is None, reason=f"needs AVX2 and a C++ compiler; this CPU is {cpu().kind}")
+
+
+@pytest.mark.skipif(not COMPILE or shutil.which("c++") is None, reason="no C++ compiler, or HCACHE_COMPILE=0")
+@pytest.mark.parametrize("form", native.FORMS, ids=lambda k: k.name)
+def test_every_form_this_cpu_runs_builds(form):
+    """A form whose build fails serves on library kernels with a warning, and its tests would
+    skip as if this CPU lacked it: each form this CPU runs must build."""
+    if not form.runs_here():
+        pytest.skip(f"{form.name} does not run on this CPU ({cpu().kind})")
+    assert form.get() is not None, f"{form.name} did not build (its warning is in the log)"
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -46,6 +58,7 @@ def inputs(t: int, s: int, heads: int, kv_heads: int, d: int, seed: int) -> tupl
         (200, 3000, 9, 3, 64),  # a prefill chunk: blocks of rows that end mid-head-group
     ],
 )
+@needs_op
 def test_matches_the_reference_as_closely_as_the_matmul_path(t, s, heads, kv_heads, d):
     q, k, v = inputs(t, s, heads, kv_heads, d, t * 7 + s)
     scale = d**-0.5
@@ -65,6 +78,7 @@ def test_matches_the_reference_as_closely_as_the_matmul_path(t, s, heads, kv_hea
         (32, 1),  # a turn of 33 rows per head group: its rows in even blocks, unlike 32 + 1's
     ],
 )
+@needs_op
 def test_a_position_has_the_same_bits_in_one_call_or_in_pieces(pieces):
     t, s = sum(pieces), 2600
     q, k, v = inputs(t, s, 9, 3, 64, 1)
@@ -77,6 +91,7 @@ def test_a_position_has_the_same_bits_in_one_call_or_in_pieces(pieces):
     assert torch.equal(torch.cat(parts), whole)
 
 
+@needs_op
 def test_the_threads_change_no_bit():
     """Many row blocks run a block per thread, few share their key spans across threads: the
     same partials merged in the same order either way."""
@@ -92,6 +107,7 @@ def test_the_threads_change_no_bit():
     assert all(torch.equal(few, m) for m in many)
 
 
+@needs_op
 def test_a_row_never_sees_a_later_key():
     q, k, v = inputs(4, 1500, 9, 3, 64, 2)
     before = op(q, k, v, 0.125)
@@ -102,6 +118,7 @@ def test_a_row_never_sees_a_later_key():
     assert not torch.equal(before[3], after[3])
 
 
+@needs_op
 def test_bad_input_is_refused():
     q, k, v = inputs(4, 10, 9, 3, 64, 3)
     with pytest.raises(RuntimeError, match="bfloat16"):
@@ -112,6 +129,7 @@ def test_bad_input_is_refused():
 
 @pytest.mark.skipif(not cpu().bf16, reason="needs AVX512-BF16 to run both forms")
 @pytest.mark.parametrize("t,s,heads,kv_heads,d", [(32, 3000, 9, 3, 64), (200, 1100, 14, 2, 64), (33, 300, 8, 2, 16)])
+@needs_op
 def test_the_avx512f_form_gives_the_dot_product_forms_bits(t, s, heads, kv_heads, d):
     """Replicas on CPUs with and without AVX512-BF16 share sessions: a turn must attend to
     the same bits on either (inputs without subnormals, which the instruction reads as 0)."""
@@ -128,6 +146,7 @@ def test_the_avx512f_form_gives_the_dot_product_forms_bits(t, s, heads, kv_heads
     "t,s,heads,kv_heads,d",
     [(1, 900, 9, 3, 64), (32, 3000, 9, 3, 64), (200, 1100, 14, 2, 64), (33, 300, 8, 2, 16), (7, 7, 4, 4, 128)],
 )
+@needs_op
 def test_the_avx2_form_gives_the_served_forms_bits(t, s, heads, kv_heads, d):
     """AVX2 and AVX-512 replicas share sessions: the served form and the AVX2 one attend to
     the same bits (rows past a vector of 8, odd key counts, every head size's tiles)."""
