@@ -175,7 +175,6 @@ inline int32_t group_start(const int32_t (&half)[2]) {
 // product fill 14 of AVX2's 16 registers, and gcc's allocation of the same intrinsics spilled
 // sums to the stack at every step.
 #define I4_UNPACK(W)                                                                            \
-  "prefetcht0 %c[ahead]+" #W "(%[w])\n\t"                                                      \
   "vmovdqu " #W "(%[w]), %[lo0]\n\tvpsrlw $4, %[lo0], %[hi0]\n\t"                             \
   "vpand %[low], %[lo0], %[lo0]\n\tvpand %[low], %[hi0], %[hi0]\n\t"                          \
   "vmovdqu " #W "+32(%[w]), %[lo1]\n\tvpsrlw $4, %[lo1], %[hi1]\n\t"                          \
@@ -202,7 +201,7 @@ __attribute__((always_inline)) inline void group_sums(const uint8_t* w, const in
     asm(I4_GROUP(I4_STEP1)
         : [s00] "+x"(acc[0][0]), [s01] "+x"(acc[0][1]), [s10] "+x"(acc[1][0]), [s11] "+x"(acc[1][1]),
           [lo0] "=&x"(lo0), [hi0] "=&x"(hi0), [lo1] "=&x"(lo1), [hi1] "=&x"(hi1), [b] "=&x"(b), [t] "=&x"(t)
-        : [w] "r"(w), [r0] "r"(r0), [r1] "r"(r1), [low] "x"(low), [ahead] "i"(AHEAD)
+        : [w] "r"(w), [r0] "r"(r0), [r1] "r"(r1), [low] "x"(low)
         : "memory");
   } else {
     const int8_t *r2 = a[2] + at, *r3 = a[3] + at;
@@ -210,7 +209,7 @@ __attribute__((always_inline)) inline void group_sums(const uint8_t* w, const in
         : [s00] "+x"(acc[0][0]), [s01] "+x"(acc[0][1]), [s10] "+x"(acc[1][0]), [s11] "+x"(acc[1][1]),
           [s20] "+x"(acc[2][0]), [s21] "+x"(acc[2][1]), [s30] "+x"(acc[3][0]), [s31] "+x"(acc[3][1]),
           [lo0] "=&x"(lo0), [hi0] "=&x"(hi0), [lo1] "=&x"(lo1), [hi1] "=&x"(hi1), [b] "=&x"(b), [t] "=&x"(t)
-        : [w] "r"(w), [r0] "r"(r0), [r1] "r"(r1), [r2] "r"(r2), [r3] "r"(r3), [low] "x"(low), [ahead] "i"(AHEAD)
+        : [w] "r"(w), [r0] "r"(r0), [r1] "r"(r1), [r2] "r"(r2), [r3] "r"(r3), [low] "x"(low)
         : "memory");  // it reads the weights and rows
   }
 }
@@ -240,6 +239,10 @@ void micro(const Operands& o, int64_t r, int64_t t0, int) {
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[MR][2];
     for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_set1_epi32(o.asum[row[m] * groups + g]);
+    // the tile streams from memory for its first rows only; later ones find it in L1
+    if (r == 0)
+      for (int64_t line = 0; line < GROUP * LANES / 2; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wt + g * GROUP * LANES / 2 + line + AHEAD), _MM_HINT_T0);
     group_sums<P>(wt + g * GROUP * LANES / 2, a, g * GROUP, acc);
     _mm_prefetch(reinterpret_cast<const char*>(o.sz + g * o.n + std::min(t0 + 1, o.tiles - 1) * LANES), _MM_HINT_T0);
     for (int h = 0; h < 2; ++h) {
