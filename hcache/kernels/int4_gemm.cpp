@@ -171,9 +171,10 @@ inline int32_t group_start(const int32_t (&half)[2]) {
 
 // One group's integer sums of activation rows a[0..2P] (32 bytes each from `at`) against a
 // tile's 32 inputs (256 bytes at w), added to acc as int16 pairs per lane. In assembly: at
-// P = 2 both halves of a tile for 4 rows (8 registers), the nibbles (4), a broadcast and a
-// product fill 14 of AVX2's 16 registers, and gcc's allocation of the same intrinsics spilled
-// sums to the stack at every step.
+// P = 2 both halves of a tile for 4 rows (8 registers), the nibbles (4), their mask, a
+// broadcast and a product fill 15 of AVX2's 16 registers, and gcc's allocation of the same
+// intrinsics spilled sums to the stack at every step. It reads the weights and the rows
+// through its pointers: hence "memory".
 #define I4_UNPACK(W)                                                                            \
   "vmovdqu " #W "(%[w]), %[lo0]\n\tvpsrlw $4, %[lo0], %[hi0]\n\t"                             \
   "vpand %[low], %[lo0], %[lo0]\n\tvpand %[low], %[hi0], %[hi0]\n\t"                          \
@@ -210,7 +211,7 @@ __attribute__((always_inline)) inline void group_sums(const uint8_t* w, const in
           [s20] "+x"(acc[2][0]), [s21] "+x"(acc[2][1]), [s30] "+x"(acc[3][0]), [s31] "+x"(acc[3][1]),
           [lo0] "=&x"(lo0), [hi0] "=&x"(hi0), [lo1] "=&x"(lo1), [hi1] "=&x"(hi1), [b] "=&x"(b), [t] "=&x"(t)
         : [w] "r"(w), [r0] "r"(r0), [r1] "r"(r1), [r2] "r"(r2), [r3] "r"(r3), [low] "x"(low)
-        : "memory");  // it reads the weights and rows
+        : "memory");
   }
 }
 
