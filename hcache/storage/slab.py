@@ -42,6 +42,11 @@ class SlabFile:
         if not self.direct:
             self.fd = os.open(path, flags, 0o644)
         self.lock = threading.Lock()  # guards a fallback reopen only; pread/pwrite are thread-safe
+        # I/O in flight on fd, and whether it is closed: a reader still working through a
+        # closing store's queue must not reach the number once the kernel hands it to the
+        # next file opened (it read another file's bytes, which only the checksum caught)
+        self._busy = threading.Condition()
+        self._users, self._closed = 0, False
 
     def _fallback(self, e: OSError) -> None:
         """Some filesystems accept O_DIRECT at open and refuse it at I/O time."""
@@ -56,13 +61,23 @@ class SlabFile:
         return os.fstat(self.fd).st_size // self.slot_bytes
 
     def _vectored(self, op, bufs: list[memoryview], offset: int) -> int:  # noqa: ANN001 - os.preadv/os.pwritev
+        with self._busy:
+            if self._closed:
+                raise OSError(errno.EBADF, f"{self.path} is closed")
+            self._users += 1
         try:
-            return op(self.fd, bufs, offset)
-        except OSError as e:
-            if e.errno != errno.EINVAL or not self.direct:
-                raise
-            self._fallback(e)
-            return op(self.fd, bufs, offset)
+            try:
+                return op(self.fd, bufs, offset)
+            except OSError as e:
+                if e.errno != errno.EINVAL or not self.direct:
+                    raise
+                self._fallback(e)
+                return op(self.fd, bufs, offset)
+        finally:
+            with self._busy:
+                self._users -= 1
+                if self._users == 0:
+                    self._busy.notify_all()
 
     def write_slots(self, first_slot: int, bufs: list[memoryview]) -> None:
         """Consecutive slots from separate aligned slot buffers, in one vectored request."""
@@ -102,6 +117,10 @@ class SlabFile:
         os.ftruncate(self.fd, num_slots * self.slot_bytes)
 
     def close(self) -> None:
+        """After the I/O already in flight; any later fails with EBADF."""
+        with self._busy:
+            self._closed = True
+            self._busy.wait_for(lambda: self._users == 0)
         os.close(self.fd)
 
 

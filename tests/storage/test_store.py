@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import itertools
 import logging
+import os
 import sqlite3
 import threading
 from pathlib import Path
@@ -17,6 +19,7 @@ from storage_helpers import GEOM, KINDS, check_all, dirs_in, expected, h_rows, k
 
 from hcache.config import StorageConfig
 from hcache.memory import aligned_buffer
+from hcache.storage import slab
 from hcache.storage.buffers import ChunkBuffers, LayerBuffers
 from hcache.storage.errors import ChunkError, StorageError, StorageFull, StoreLocked, UnknownOwner
 from hcache.storage.fsck import fsck
@@ -191,8 +194,6 @@ def test_a_run_of_kv_chunks_is_read_as_one_segment(dirs, monkeypatch) -> None:
     """KV chunks are token-major ([64, 2, kv_dim]), so a layer's chunks in consecutive slots
     land in place as one iovec: on this VM's virtio disk every segment of a request costs
     (K and V rows in separate halves took two per chunk)."""
-    import hcache.storage.slab as slab
-
     segments, orig = [], slab.SlabFile.scatter
     monkeypatch.setattr(
         slab.SlabFile, "scatter", lambda sf, first, parts: segments.append(len(parts)) or orig(sf, first, parts)
@@ -288,11 +289,6 @@ def test_fsck_refuses_a_running_store(dirs) -> None:
 
 def test_buffered_fallback_where_odirect_is_refused(dirs, monkeypatch, caplog) -> None:
     """A filesystem that refuses O_DIRECT (EINVAL at open) gets buffered I/O and one warning."""
-    import errno
-    import os
-
-    from hcache.storage import slab
-
     real_open = os.open
 
     def no_direct(path, flags, *a):
@@ -692,6 +688,22 @@ def test_close_verifies_reads_in_flight_then_stops_every_thread(dirs) -> None:
     for t in threads:
         t.join(5)
     assert not any(t.is_alive() for t in threads)
+
+
+def test_a_closed_slab_refuses_io_rather_than_reach_the_next_file_opened(tmp_path) -> None:
+    """A reader still working through a closing store's queue gets EBADF, a read error: the
+    descriptor number, once closed, is the next file's, whose bytes it read before."""
+    sf = slab.SlabFile(tmp_path / "slab", 4096)
+    sf.write_slots(0, [memoryview(aligned_buffer(4096))])
+    sf.close()
+    other = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(other, b"x" * 8192)
+        with pytest.raises(OSError) as e:
+            sf.read(0, 1, aligned_buffer(4096))
+        assert e.value.errno == errno.EBADF
+    finally:
+        os.close(other)
 
 
 def test_reads_are_booked_in_layer_order_across_directories(dirs) -> None:
