@@ -185,24 +185,21 @@ inline void sums(const uint8_t* const* rows, int64_t k, const int8_t* w, int64_t
     _mm_prefetch(reinterpret_cast<const char*>(wt + s * 64 + AHEAD), _MM_HINT_T0);
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + s * 64));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + s * 64 + 32));
-    if constexpr (SIGNED) {
-      const __m256i m0 = _mm256_abs_epi8(w0), m1 = _mm256_abs_epi8(w1);
-      for (int m = 0; m < MR; ++m) {
-        int32_t four;
-        std::memcpy(&four, rows[m] + s * 4, 4);
+    // |w| serves every row of a signed step
+    const __m256i m0 = SIGNED ? _mm256_abs_epi8(w0) : w0, m1 = SIGNED ? _mm256_abs_epi8(w1) : w1;
+    for (int m = 0; m < MR; ++m) {
+      int32_t four;
+      std::memcpy(&four, rows[m] + s * 4, 4);
+      __m256i u0, u1, s0, s1;  // each half's unsigned and signed operands
+      if constexpr (SIGNED) {
         const __m256i av = _mm256_set1_epi32(four);
-        acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(_mm256_maddubs_epi16(m0, _mm256_sign_epi8(av, w0)), ones));
-        acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(_mm256_maddubs_epi16(m1, _mm256_sign_epi8(av, w1)), ones));
-      }
-    } else {
-      for (int m = 0; m < MR; ++m) {
-        int32_t four;
-        std::memcpy(&four, rows[m] + s * 4, 4);
+        u0 = m0, u1 = m1, s0 = _mm256_sign_epi8(av, w0), s1 = _mm256_sign_epi8(av, w1);
+      } else {
         const __m256i av = _mm256_xor_si256(_mm256_set1_epi32(four), flip);  // a - 128, signed
-        const __m256i mag = _mm256_abs_epi8(av);
-        acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(w0, av)), ones));
-        acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(w1, av)), ones));
+        u0 = u1 = _mm256_abs_epi8(av), s0 = _mm256_sign_epi8(w0, av), s1 = _mm256_sign_epi8(w1, av);
       }
+      acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(_mm256_maddubs_epi16(u0, s0), ones));
+      acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(_mm256_maddubs_epi16(u1, s1), ones));
     }
   }
 }
