@@ -66,18 +66,21 @@ class SlabFile:
                 raise OSError(errno.EBADF, f"{self.path} is closed")
             self._users += 1
         try:
-            try:
-                return op(self.fd, bufs, offset)
-            except OSError as e:
-                if e.errno != errno.EINVAL or not self.direct:
-                    raise
-                self._fallback(e)
-                return op(self.fd, bufs, offset)
+            return self._io(op, bufs, offset)
         finally:
             with self._busy:
                 self._users -= 1
                 if self._users == 0:
                     self._busy.notify_all()
+
+    def _io(self, op, bufs: list[memoryview], offset: int) -> int:  # noqa: ANN001 - as `_vectored`
+        try:
+            return op(self.fd, bufs, offset)
+        except OSError as e:
+            if e.errno != errno.EINVAL or not self.direct:
+                raise
+            self._fallback(e)
+            return op(self.fd, bufs, offset)
 
     def write_slots(self, first_slot: int, bufs: list[memoryview]) -> None:
         """Consecutive slots from separate aligned slot buffers, in one vectored request."""
