@@ -27,6 +27,8 @@ using hcache::FLOOR, hcache::NONE, hcache::pair, hcache::ROWS, hcache::Shape, hc
 
 constexpr int KQ = 4;  // keys per score step
 constexpr int RC = 2;  // vectors of 8 rows per score step
+// a tile's score steps end at its end: keys past it would raise the rows' maxima (`tmx`)
+static_assert(TILE % KQ == 0);
 
 // 2**x where FLOOR <= x <= 0, else exactly 0 (masked keys are -inf). Over that range
 // scalef's p * 2**n is normal, so one product by 2**n from its exponent bits is exact: the
@@ -98,9 +100,10 @@ void span(int rv, const Shape& sh, const at::BFloat16* q, const at::BFloat16* k,
           int64_t r0, int64_t nr, int64_t k0, int64_t k1, float* o, float* m, float* l) {
   const int64_t R = 16 * rv, nv = 2 * rv;  // rows, and their vectors of 8
   const int64_t d = sh.d, dp = d / 2;
-  alignas(32) float sc[TILE + KQ][ROWS];  // scores, keys-major; a last step's keys past the tile land in the pad
+  // scores, keys-major (a last step's keys past the tile land in the pad), then P in place:
+  // one array less to keep in cache
+  alignas(32) float sc[TILE + KQ][ROWS];
   alignas(32) float qo[64][ROWS], qe[64][ROWS];  // q's odd and even elements along D: [D/2][rows]
-  alignas(32) float pf[TILE][ROWS];  // P rounded to bfloat16: [keys][rows]
   alignas(32) float vf[TILE * 128];  // V widened: [keys][D]
   alignas(32) int32_t tok[ROWS];  // each row's new token: it sees keys up to prefix + tok
   alignas(32) float ko[KQ][64], ke[KQ][64];  // a score step's keys, widened
@@ -123,12 +126,15 @@ void span(int rv, const Shape& sh, const at::BFloat16* q, const at::BFloat16* k,
   k1 = std::min(k1, sh.prefix + last + 1);
   if (k0 >= k1) return;  // nothing seen: `o` left unset, the merge skips the span (m = NONE)
   std::memset(o, 0, sizeof(float) * R * d);
+  float (*pf)[ROWS] = sc;  // P rounded to bfloat16, over the scores it came from
   const __m256 c = _mm256_set1_ps(sh.c), ninf = _mm256_set1_ps(-INFINITY);
   const at::BFloat16* kh = k + h * sh.ks1;
   const at::BFloat16* vh = v + h * sh.vs1;
 
   for (int64_t kt = k0; kt < k1; kt += TILE) {
     const int64_t nk = std::min(TILE, k1 - kt), nk2 = (nk + 1) & ~int64_t(1);
+    alignas(32) float tmx[ROWS];  // the rows' maxima so far, raised by the score steps: no pass of its own
+    std::memcpy(tmx, m, sizeof(float) * R);
     for (int64_t j = 0; j < nk; j += KQ) {
       const at::BFloat16* kr[KQ];
       for (int a = 0; a < KQ; ++a) kr[a] = kh + std::min(kt + j + a, k1 - 1) * sh.ks0;
@@ -144,6 +150,8 @@ void span(int rv, const Shape& sh, const at::BFloat16* q, const at::BFloat16* k,
       for (int64_t i0 = 0; i0 < nv; i0 += RC) {
         __m256 acc[KQ][RC];
         scores(qo, qe, ko, ke, dp, int(i0), acc);
+        __m256 tm[RC];
+        for (int i = 0; i < RC; ++i) tm[i] = _mm256_load_ps(&tmx[8 * (i0 + i)]);
         for (int a = 0; a < KQ; ++a) {
           const int64_t key = kt + j + a;
           for (int i = 0; i < RC; ++i) {
@@ -156,16 +164,17 @@ void span(int rv, const Shape& sh, const at::BFloat16* q, const at::BFloat16* k,
               s = _mm256_blendv_ps(s, ninf, _mm256_castsi256_ps(hidden));
             }
             _mm256_store_ps(&sc[j + a][8 * (i0 + i)], s);
+            tm[i] = _mm256_max_ps(tm[i], s);
           }
         }
+        for (int i = 0; i < RC; ++i) _mm256_store_ps(&tmx[8 * (i0 + i)], tm[i]);
       }
     }
     // online softmax: new maxima, old terms rescaled, P rounded to bfloat16
     alignas(32) float al[ROWS];
     for (int64_t i = 0; i < nv; ++i) {
       const __m256 old = _mm256_load_ps(&m[8 * i]);
-      __m256 mx = old;
-      for (int64_t j = 0; j < nk; ++j) mx = _mm256_max_ps(mx, _mm256_load_ps(&sc[j][8 * i]));
+      const __m256 mx = _mm256_load_ps(&tmx[8 * i]);
       const __m256 alpha = exp2_or_zero(_mm256_sub_ps(old, mx));
       _mm256_store_ps(&m[8 * i], mx);
       __m256 sum = _mm256_setzero_ps();
