@@ -143,9 +143,10 @@ def _compiled_steps(model: DecoderModel) -> tuple[Callable, Callable]:
     `DecodeGraph`s. Each compiles a copy of the step function of its own, so that no other
     model can reach its graphs and their guards need not check the model's insides."""
     if model not in _STEPS:
-        # a lone sequence's step: its kernels called from C++, not Python (a larger share of
-        # a small step). Built apart from its kernels, the wrapper compiles at the wrapper's
-        # optimisation level and the kernels in parallel: one file of both took gcc minutes
+        # both steps' kernels called from C++, not Python: the Python calls were a share of
+        # every step (the larger the smaller the step). Built apart from its kernels, the
+        # wrapper compiles at the wrapper's optimisation level and the kernels in parallel:
+        # one file of both took gcc minutes
         opts: dict = {
             "cpp_wrapper": model.device.type == "cpu",
             "cpp_wrapper_build_separate": True,
@@ -154,12 +155,7 @@ def _compiled_steps(model: DecoderModel) -> tuple[Callable, Callable]:
         c = model.cfg
         geometry = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, model.dtype, model.weights)
         one = torch.compile(own_code(_step_one, *geometry), dynamic=True, fullgraph=True, options=opts)
-        batch = torch.compile(
-            own_code(_step_batch, *geometry),
-            dynamic=True,
-            fullgraph=True,
-            options={"guard_filter_fn": _not_inside_model},
-        )
+        batch = torch.compile(own_code(_step_batch, *geometry), dynamic=True, fullgraph=True, options=opts)
         _STEPS[model] = (one, batch)
     return _STEPS[model]
 
