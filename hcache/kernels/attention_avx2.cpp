@@ -126,15 +126,16 @@ void span(int rv, const Shape& sh, const at::BFloat16* q, const at::BFloat16* k,
   k1 = std::min(k1, sh.prefix + last + 1);
   if (k0 >= k1) return;  // nothing seen: `o` left unset, the merge skips the span (m = NONE)
   std::memset(o, 0, sizeof(float) * R * d);
-  float (*pf)[ROWS] = sc;  // P rounded to bfloat16, over the scores it came from
   const __m256 c = _mm256_set1_ps(sh.c), ninf = _mm256_set1_ps(-INFINITY);
   const at::BFloat16* kh = k + h * sh.ks1;
   const at::BFloat16* vh = v + h * sh.vs1;
 
+  // the rows' maxima so far, raised by the score steps (no pass of their own): at a tile's
+  // start they are `m`, which the softmax then takes from them
+  alignas(32) float tmx[ROWS];
+  std::memcpy(tmx, m, sizeof(float) * R);
   for (int64_t kt = k0; kt < k1; kt += TILE) {
     const int64_t nk = std::min(TILE, k1 - kt), nk2 = (nk + 1) & ~int64_t(1);
-    alignas(32) float tmx[ROWS];  // the rows' maxima so far, raised by the score steps: no pass of its own
-    std::memcpy(tmx, m, sizeof(float) * R);
     for (int64_t j = 0; j < nk; j += KQ) {
       const at::BFloat16* kr[KQ];
       for (int a = 0; a < KQ; ++a) kr[a] = kh + std::min(kt + j + a, k1 - 1) * sh.ks0;
@@ -170,7 +171,7 @@ void span(int rv, const Shape& sh, const at::BFloat16* q, const at::BFloat16* k,
         for (int i = 0; i < RC; ++i) _mm256_store_ps(&tmx[8 * (i0 + i)], tm[i]);
       }
     }
-    // online softmax: new maxima, old terms rescaled, P rounded to bfloat16
+    // online softmax: new maxima, old terms rescaled, P rounded to bfloat16 over the scores
     alignas(32) float al[ROWS];
     for (int64_t i = 0; i < nv; ++i) {
       const __m256 old = _mm256_load_ps(&m[8 * i]);
@@ -183,8 +184,8 @@ void span(int rv, const Shape& sh, const at::BFloat16* q, const at::BFloat16* k,
         const __m256 p1 =
             j + 1 < nk ? exp2_or_zero(_mm256_sub_ps(_mm256_load_ps(&sc[j + 1][8 * i]), mx)) : _mm256_setzero_ps();
         sum = _mm256_add_ps(sum, _mm256_add_ps(p0, p1));
-        _mm256_store_ps(&pf[j][8 * i], round_bf16(p0));
-        _mm256_store_ps(&pf[j + 1][8 * i], round_bf16(p1));
+        _mm256_store_ps(&sc[j][8 * i], round_bf16(p0));
+        _mm256_store_ps(&sc[j + 1][8 * i], round_bf16(p1));
       }
       _mm256_store_ps(&l[8 * i], _mm256_fmadd_ps(_mm256_load_ps(&l[8 * i]), alpha, sum));
       _mm256_store_ps(&al[8 * i], alpha);
@@ -199,8 +200,8 @@ void span(int rv, const Shape& sh, const at::BFloat16* q, const at::BFloat16* k,
     // o = o * alpha + P V, 6 rows x 16 of D at a time (R is a multiple of 16: 2 + 2 after 12)
     for (int64_t e = 0; e < d; e += 16) {
       int64_t r = 0;
-      for (; r + 6 <= R; r += 6) pv_tile<6>(o + r * d + e, d, al + r, &pf[0][r], vf + e, nk2);
-      for (; r < R; r += 2) pv_tile<2>(o + r * d + e, d, al + r, &pf[0][r], vf + e, nk2);
+      for (; r + 6 <= R; r += 6) pv_tile<6>(o + r * d + e, d, al + r, &sc[0][r], vf + e, nk2);
+      for (; r < R; r += 2) pv_tile<2>(o + r * d + e, d, al + r, &sc[0][r], vf + e, nk2);
     }
   }
 }
