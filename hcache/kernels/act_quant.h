@@ -1,6 +1,6 @@
 // Activation rows quantized to two int8 passes inside a kernel's call, as
-// `quant.int8_rows_mm` does in the graph at 8 bits: the row at a power-of-two scale, then
-// its remainder at the remainder's. Every step is exact (a power-of-two scale, a rounding to
+// `quant.int8_rows_mm` does in the graph at 8 bits (7 for an LM head): the row at a
+// power-of-two scale, then its remainder at the remainder's. Every step is exact (a power-of-two scale, a rounding to
 // an integer, a remainder that float32 holds), so the bits equal the Python's. Quantizing
 // inside the call leaves inductor no fused copy of the activations to round otherwise than
 // eager code, and an eager turn no dozen small ops per linear.
@@ -57,10 +57,10 @@ inline float scalar(uint16_t x) {
   return f;
 }
 
-// The power of two that puts a row's largest magnitude in [64, 128) steps: the float32
-// exponent field alone (a row of zeros takes 2^-100's)
+// The power of two that puts a row's largest magnitude in [2^(bits-2), 2^(bits-1)) steps: the
+// float32 exponent field alone (a row of zeros takes 2^-100's)
 template <typename T>
-inline float pow2_scale(const T* x, int64_t k) {
+inline float pow2_scale(const T* x, int64_t k, int bits) {
   float amax = 0x1p-100f;
 #ifdef __AVX512F__
   const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
@@ -80,23 +80,23 @@ inline float pow2_scale(const T* x, int64_t k) {
   for (float l : lanes) amax = std::max(amax, l);
   for (; j < k; ++j) amax = std::max(amax, std::fabs(scalar(x[j])));
 #endif
-  uint32_t bits;
-  std::memcpy(&bits, &amax, 4);
-  bits &= 0x7F800000u;
+  uint32_t exponent;
+  std::memcpy(&exponent, &amax, 4);
+  exponent &= 0x7F800000u;
   float p;
-  std::memcpy(&p, &bits, 4);
-  return p * 0x1p-6f;
+  std::memcpy(&p, &exponent, 4);
+  return std::ldexp(p, -(bits - 2));
 }
 
-// `x` at scale `s` rounded to the nearest integer, ties to even, within +-127, into `q`
+// `x` at scale `s` rounded to the nearest integer, ties to even, within +-top, into `q`
 // (plus `offset`: 128 gives the unsigned form around its zero point); `rest` (optional)
 // gets x - q * s
 template <typename T>
-inline void quantize(const T* x, float s, int64_t k, int8_t* q, float* rest, int8_t offset) {
+inline void quantize(const T* x, float s, int64_t k, int8_t* q, float* rest, int8_t offset, float top) {
   int64_t j = 0;
 #ifdef __AVX512F__
   const __m512 inv = _mm512_set1_ps(1.f / s), scale = _mm512_set1_ps(s);
-  const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  const __m512 lo = _mm512_set1_ps(-top), hi = _mm512_set1_ps(top);
   const __m128i shift = _mm_set1_epi8(offset);
   for (; j < k; j += 16) {
     const __mmask16 mask = lanes_left(k - j);
@@ -109,7 +109,7 @@ inline void quantize(const T* x, float s, int64_t k, int8_t* q, float* rest, int
   }
 #else
   const __m256 inv = _mm256_set1_ps(1.f / s), scale = _mm256_set1_ps(s);
-  const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  const __m256 lo = _mm256_set1_ps(-top), hi = _mm256_set1_ps(top);
   const __m128i shift = _mm_set1_epi8(offset);
   for (; j + 8 <= k; j += 8) {
     const __m256 v = load8(x + j);
@@ -121,26 +121,28 @@ inline void quantize(const T* x, float s, int64_t k, int8_t* q, float* rest, int
     if (rest != nullptr) _mm256_storeu_ps(rest + j, _mm256_sub_ps(v, _mm256_mul_ps(c, scale)));
   }
   for (; j < k; ++j) {  // the default rounding mode: to nearest, ties to even
-    const float v = scalar(x[j]), c = std::min(std::max(std::nearbyint(v * (1.f / s)), -127.f), 127.f);
+    const float v = scalar(x[j]), c = std::min(std::max(std::nearbyint(v * (1.f / s)), -top), top);
     q[j] = int8_t(int(c) + offset);
     if (rest != nullptr) rest[j] = v - c * s;
   }
 #endif
 }
 
-// Row `x` [k] in two passes: `q1` at `*s1`, the remainder `q2` at `*s2`; `rest` is scratch of k
+// Row `x` [k] in two passes of `bits` (sign included): `q1` at `*s1`, the remainder `q2` at
+// `*s2`; `rest` is scratch of k
 template <typename T>
 inline void two_passes(const T* x, int64_t k, int8_t* q1, int8_t* q2, float* s1, float* s2, float* rest,
-                       int8_t offset = 0) {
-  *s1 = pow2_scale(x, k);
-  quantize(x, *s1, k, q1, rest, offset);
-  *s2 = pow2_scale(rest, k);
-  quantize(rest, *s2, k, q2, static_cast<float*>(nullptr), offset);
+                       int8_t offset, int bits) {
+  const float top = float((1 << (bits - 1)) - 1);
+  *s1 = pow2_scale(x, k, bits);
+  quantize(x, *s1, k, q1, rest, offset, top);
+  *s2 = pow2_scale(rest, k, bits);
+  quantize(rest, *s2, k, q2, static_cast<float*>(nullptr), offset, top);
 }
 
 // Every row of `x` (float32 or bfloat16 [m, k], contiguous) by `two_passes`: row r's passes
 // into rows r and m + r of `q`, their scales into `scales[r]` and `scales[m + r]`
-inline void quantize_rows(const at::Tensor& x, int8_t* q, float* scales, int8_t offset) {
+inline void quantize_rows(const at::Tensor& x, int8_t* q, float* scales, int8_t offset, int bits = 8) {
   const int64_t m = x.size(0), k = x.size(1);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const void* src = x.data_ptr();
@@ -149,9 +151,11 @@ inline void quantize_rows(const at::Tensor& x, int8_t* q, float* scales, int8_t 
     for (int64_t r = b; r < e; ++r) {
       int8_t *q1 = q + r * k, *q2 = q + (m + r) * k;
       if (bf16)
-        two_passes(static_cast<const uint16_t*>(src) + r * k, k, q1, q2, &scales[r], &scales[m + r], rest.data(), offset);
+        two_passes(static_cast<const uint16_t*>(src) + r * k, k, q1, q2, &scales[r], &scales[m + r], rest.data(),
+                   offset, bits);
       else
-        two_passes(static_cast<const float*>(src) + r * k, k, q1, q2, &scales[r], &scales[m + r], rest.data(), offset);
+        two_passes(static_cast<const float*>(src) + r * k, k, q1, q2, &scales[r], &scales[m + r], rest.data(), offset,
+                   bits);
     }
   });
 }

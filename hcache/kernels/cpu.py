@@ -51,6 +51,9 @@ def _onednn_allows(level: str) -> bool:
     return _ONEDNN_LEVELS.index(level) <= _ONEDNN_LEVELS.index(cap)
 
 
+LM_HEAD_BITS = 7  # an int8 LM head's activation passes: AVX2 sums them without moving signs
+
+
 @dataclass(frozen=True)
 class Cpu:
     arch: str  # platform.machine()
@@ -75,9 +78,9 @@ class Cpu:
         return "avx2" if self.aten == "AVX2" else "baseline"
 
     @property
-    def head_activation_bits(self) -> int:
-        """Bits of the int8 LM head's activations, sign included. Without VNNI oneDNN sums
-        pairs of byte products in saturating 16-bit lanes (`vpmaddubsw`): unsigned
+    def onednn_activation_bits(self) -> int:
+        """Bits of the activations oneDNN's int8 GEMM sums exactly here, sign included. Without
+        VNNI it sums pairs of byte products in saturating 16-bit lanes (`vpmaddubsw`): unsigned
         activations must stay at or below 128 for a pair of them times 127 to fit."""
         return 8 if self.int8_vnni else 7
 
@@ -104,17 +107,19 @@ class Cpu:
     def paths(self) -> dict[str, str]:
         """The kernel each hot path runs here, by name."""
         library = "onednn-int8" if torch.backends.mkldnn.is_available() else "int8pack"
-        int8, int4 = f"{library}-a{self.head_activation_bits}", f"int4pack-{self.aten.lower()}"
+        int8, int4 = f"{library}-a{self.onednn_activation_bits}", f"int4pack-{self.aten.lower()}"
+        head = f"{library}-a{LM_HEAD_BITS}"
         decode = "inductor-float32"
         if COMPILE and (self.vnni or self.avx2):  # our kernels' forms
             int8 = int4 = "native-vnni" if self.vnni else "native-avx2"
+            head = f"{int8}-a{LM_HEAD_BITS}"
             decode = "native-avx512" if self.avx512 else "native-avx2"
         return {
             "cpu": self.kind,
             "aten": self.aten.lower(),
             "int4_linear": int4,
             "int8_linear": int8,
-            "lm_head": int8,
+            "lm_head": head,
             "attention": self._attention_form(),
             "decode_attention": decode,
         }

@@ -1,7 +1,7 @@
 // Unsigned 8-bit activations times signed 8-bit weight rows with AVX512-VNNI (`vpdpbusd`),
 // or with AVX2 where it lacks (the same integers, below),
 // for the few activation rows of a decode step, and float activations quantized inside the
-// call in two passes per row (`int8_linear`).
+// call in two passes per row (`int8_linear`: 8-bit passes, or 7-bit ones for an LM head).
 //
 // A step of a larger model is bound by streaming its weights; oneDNN's u8s8 GEMM keeps its
 // panels for many rows and streams them at about half of what the memory gives at one row.
@@ -140,9 +140,11 @@ inline __m512 silu(__m512 x) {
 // rows r..r+P of the activations, both passes of each (rows i and m + i of `a`), against
 // tiles t0..t0+nt (nt <= NR): each pass's output as `int8_mm` rounds it, then the two meet
 // as `y1 * s1 + y2 * s2` in registers, so only the combined rows are written (`E`)
-template <int P, Epilogue E>
+// (7-bit passes need nothing of their own here: `asum` is the AVX2 form's)
+template <int P, Epilogue E, bool SEVEN>
 void micro_passes(const uint8_t* a, int64_t m, int64_t k, const int8_t* w, int64_t r, int64_t t0, int nt, int64_t n,
-                  const int32_t* comp, const uint16_t* scale, const float* ascale, const float* bias, float* out) {
+                  const int32_t* comp, const uint16_t* scale, const float* ascale, const int32_t*, const float* bias,
+                  float* out) {
   const uint8_t* rows[2 * P];
   for (int p = 0; p < P; ++p) rows[2 * p] = a + (r + p) * k, rows[2 * p + 1] = a + (m + r + p) * k;
   __m512i acc[2 * P][NR];
@@ -175,7 +177,12 @@ void micro_passes(const uint8_t* a, int64_t m, int64_t k, const int8_t* w, int64
 // SIGNED activations (the two passes' int8 values, within +-127) go the other way round: |w|
 // unsigned, shared by every row, and the activation carrying w's sign, one operation fewer per
 // row and half tile (-128 would have no positive to take, which the passes never hold).
-template <int MR, bool SIGNED = false>
+// SEVEN-bit ones (within +-63) need no sign moved at all: w + 128 is the unsigned operand,
+// shared by every row, a pair at most 2 * 255 * 63; the sums then hold 128 * sum(a) more,
+// which `micro_passes` takes off. Two operations fewer per row and half tile than SIGNED.
+enum class Bytes { UNSIGNED, SIGNED, SEVEN };
+
+template <int MR, Bytes B = Bytes::UNSIGNED>
 inline void sums(const uint8_t* const* rows, int64_t k, const int8_t* w, int64_t t0, int, __m256i (&acc)[MR][2]) {
   const int64_t steps = k / 4;
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(int8_t(0x80));
@@ -185,13 +192,17 @@ inline void sums(const uint8_t* const* rows, int64_t k, const int8_t* w, int64_t
     _mm_prefetch(reinterpret_cast<const char*>(wt + s * 64 + AHEAD), _MM_HINT_T0);
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + s * 64));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + s * 64 + 32));
-    // |w| serves every row of a signed step
-    const __m256i m0 = SIGNED ? _mm256_abs_epi8(w0) : w0, m1 = SIGNED ? _mm256_abs_epi8(w1) : w1;
+    // |w| or w + 128 serves every row of a signed step
+    __m256i m0 = w0, m1 = w1;
+    if constexpr (B == Bytes::SIGNED) m0 = _mm256_abs_epi8(w0), m1 = _mm256_abs_epi8(w1);
+    if constexpr (B == Bytes::SEVEN) m0 = _mm256_xor_si256(w0, flip), m1 = _mm256_xor_si256(w1, flip);
     for (int m = 0; m < MR; ++m) {
       int32_t four;
       std::memcpy(&four, rows[m] + s * 4, 4);
       __m256i u0, u1, s0, s1;  // each half's unsigned and signed operands
-      if constexpr (SIGNED) {
+      if constexpr (B == Bytes::SEVEN) {
+        u0 = m0, u1 = m1, s0 = s1 = _mm256_set1_epi32(four);
+      } else if constexpr (B == Bytes::SIGNED) {
         const __m256i av = _mm256_set1_epi32(four);
         u0 = m0, u1 = m1, s0 = _mm256_sign_epi8(av, w0), s1 = _mm256_sign_epi8(av, w1);
       } else {
@@ -244,14 +255,21 @@ inline __m256 silu(__m256 x) {  // as the AVX-512 form computes it
   return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e));
 }
 
-// `micro_passes` of the AVX-512 form: a tile's halves are a GLU's gate and up rows
-template <int P, Epilogue E>
+// `micro_passes` of the AVX-512 form: a tile's halves are a GLU's gate and up rows. SEVEN:
+// 7-bit passes, whose sums hold 128 times their row's `asum` (the sum of its bytes) more
+template <int P, Epilogue E, bool SEVEN>
 void micro_passes(const uint8_t* a, int64_t m, int64_t k, const int8_t* w, int64_t r, int64_t t0, int nt, int64_t n,
-                  const int32_t* comp, const uint16_t* scale, const float* ascale, const float* bias, float* out) {
+                  const int32_t* comp, const uint16_t* scale, const float* ascale, const int32_t* asum,
+                  const float* bias, float* out) {
   const uint8_t* rows[2 * P];
   for (int p = 0; p < P; ++p) rows[2 * p] = a + (r + p) * k, rows[2 * p + 1] = a + (m + r + p) * k;
   __m256i acc[2 * P][2];
-  sums<2 * P, true>(rows, k, w, t0, nt, acc);  // `passes` quantized them signed
+  sums<2 * P, SEVEN ? Bytes::SEVEN : Bytes::SIGNED>(rows, k, w, t0, nt, acc);  // `passes` quantized them signed
+  if constexpr (SEVEN)
+    for (int p = 0; p < 2 * P; ++p) {
+      const __m256i extra = _mm256_set1_epi32(128 * asum[p % 2 == 0 ? r + p / 2 : m + r + p / 2]);
+      acc[p][0] = _mm256_sub_epi32(acc[p][0], extra), acc[p][1] = _mm256_sub_epi32(acc[p][1], extra);
+    }
   const int64_t r0 = t0 * LANES;
   const TileOut y(r0, n, comp, scale, 128);
   for (int p = 0; p < P; ++p) {
@@ -309,13 +327,13 @@ at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& c
 }
 
 // `x @ w.T (+ bias)` for float32 or bfloat16 x [M, K]: each row quantized on its own to two
-// int8 passes (act_quant.h) around the zero point 128, each pass summed as `int8_mm` sums it,
-// and the two results meet as `y1 * s1 + y2 * s2`: the bits of `quant.int8_rows_mm` around
-// `int8_mm`, with only the combined rows written out (then `+ bias`, float32 [N], as torch
-// adds it). With `glu`, w's rows are `quant.glu_rows` of a gate and an up matrix: [M, N / 2] of
-// `silu(x @ gate.T) * (x @ up.T)`
+// passes of `bits` (8, or 7: act_quant.h) around the zero point 2^(bits-1), each pass summed as
+// `int8_mm` sums it, and the two results meet as `y1 * s1 + y2 * s2`: the bits of
+// `quant.int8_rows_mm` around `int8_mm`, with only the combined rows written out (then
+// `+ bias`, float32 [N], as torch adds it). With `glu`, w's rows are `quant.glu_rows` of a gate
+// and an up matrix: [M, N / 2] of `silu(x @ gate.T) * (x @ up.T)`
 at::Tensor passes(const at::Tensor& x, const at::Tensor& w, const at::Tensor& comp, const at::Tensor& scale,
-                  const std::optional<at::Tensor>& bias, bool glu) {
+                  const std::optional<at::Tensor>& bias, bool glu, int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "int8_linear: float32 or bfloat16 [M, K] activations");
   TORCH_CHECK(w.dim() == 4 && w.size(2) == LANES && w.size(3) == 4 && w.scalar_type() == at::kChar && w.is_contiguous(),
@@ -329,11 +347,25 @@ at::Tensor passes(const at::Tensor& x, const at::Tensor& w, const at::Tensor& co
   TORCH_CHECK(!glu || n % LANES == 0, "int8_glu: gate and up rows of a multiple of 8 each");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n),
               "int8_linear: a contiguous float32 bias of N");
+  TORCH_CHECK(bits == 7 || bits == 8, "int8_linear: activations of 7 or 8 bits, got ", bits);
   const at::Tensor xc = x.contiguous();
   at::Tensor a = at::empty({2 * m, k}, xc.options().dtype(at::kByte));
   std::vector<float> scales(2 * m);
   // VNNI's unsigned form around the zero point (+ 128 as a byte); AVX2's `sums` take them signed
-  hcache::quantize_rows(xc, reinterpret_cast<int8_t*>(a.data_ptr<uint8_t>()), scales.data(), PASS_OFFSET);
+  hcache::quantize_rows(xc, reinterpret_cast<int8_t*>(a.data_ptr<uint8_t>()), scales.data(), PASS_OFFSET, int(bits));
+  const bool seven = bits == 7;
+  std::vector<int32_t> asum;  // each pass row's sum of bytes: what AVX2's 7-bit sums hold 128 times too many
+#ifndef __AVX512VNNI__
+  if (seven) {
+    asum.resize(2 * m);
+    const int8_t* q = reinterpret_cast<const int8_t*>(a.data_ptr<uint8_t>());
+    for (int64_t row = 0; row < 2 * m; ++row) {
+      int32_t total = 0;
+      for (int64_t j = 0; j < k; ++j) total += q[row * k + j];
+      asum[row] = total;
+    }
+  }
+#endif
   at::Tensor out = at::empty({m, glu ? n / 2 : n}, xc.options().dtype(at::kFloat));
   const uint8_t* ap = a.data_ptr<uint8_t>();
   const int8_t* wp = w.data_ptr<int8_t>();
@@ -343,26 +375,31 @@ at::Tensor passes(const at::Tensor& x, const at::Tensor& w, const at::Tensor& co
   float* op = out.data_ptr<float>();
   constexpr int P_MAX = MR_MAX / 2;
   const int64_t block = std::max<int64_t>(P_MAX, (ACT_BLOCK / (2 * k)) / P_MAX * P_MAX);  // both passes in L2
+  const int32_t* sa = asum.data();
   over_tiles<P_MAX>(m, tiles, block, [&](auto rows, int64_t r, int64_t t0, int nt) {
     constexpr int P = decltype(rows)::value;
     const float* as = scales.data();
     if (glu)
-      micro_passes<P, Epilogue::GLU>(ap, m, k, wp, r, t0, nt, n, cp, sp, as, bp, op);
+      micro_passes<P, Epilogue::GLU, false>(ap, m, k, wp, r, t0, nt, n, cp, sp, as, sa, bp, op);
+    else if (seven && bp != nullptr)
+      micro_passes<P, Epilogue::BIAS, true>(ap, m, k, wp, r, t0, nt, n, cp, sp, as, sa, bp, op);
+    else if (seven)
+      micro_passes<P, Epilogue::PLAIN, true>(ap, m, k, wp, r, t0, nt, n, cp, sp, as, sa, bp, op);
     else if (bp != nullptr)
-      micro_passes<P, Epilogue::BIAS>(ap, m, k, wp, r, t0, nt, n, cp, sp, as, bp, op);
+      micro_passes<P, Epilogue::BIAS, false>(ap, m, k, wp, r, t0, nt, n, cp, sp, as, sa, bp, op);
     else
-      micro_passes<P, Epilogue::PLAIN>(ap, m, k, wp, r, t0, nt, n, cp, sp, as, bp, op);
+      micro_passes<P, Epilogue::PLAIN, false>(ap, m, k, wp, r, t0, nt, n, cp, sp, as, sa, bp, op);
   });
   return out;
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& comp, const at::Tensor& scale,
-                       const std::optional<at::Tensor>& bias) {
-  return passes(x, w, comp, scale, bias, false);
+                       const std::optional<at::Tensor>& bias, int64_t bits) {
+  return passes(x, w, comp, scale, bias, false, bits);
 }
 
 at::Tensor int8_glu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& comp, const at::Tensor& scale) {
-  return passes(x, w, comp, scale, std::nullopt, true);
+  return passes(x, w, comp, scale, std::nullopt, true, 8);
 }
 
 }  // namespace
@@ -378,7 +415,7 @@ at::Tensor int8_glu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 LIBRARY(HCACHE_NS, lib) {
   lib.def("pack(Tensor w) -> (Tensor, Tensor)");
   lib.def("int8_mm(Tensor a, Tensor w, Tensor comp, Tensor scale, int zero) -> Tensor");
-  lib.def("int8_linear(Tensor x, Tensor w, Tensor comp, Tensor scale, Tensor? bias=None) -> Tensor");
+  lib.def("int8_linear(Tensor x, Tensor w, Tensor comp, Tensor scale, Tensor? bias=None, int bits=8) -> Tensor");
   lib.def("int8_glu(Tensor x, Tensor w, Tensor comp, Tensor scale) -> Tensor");
 }
 
@@ -395,7 +432,7 @@ LIBRARY_IMPL(HCACHE_NS, Meta, lib) {
     return at::empty_symint({a.sym_size(0), scale.sym_size(0)}, a.options().dtype(at::kFloat));
   });
   lib.impl("int8_linear", [](const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor& scale,
-                             const std::optional<at::Tensor>&) {
+                             const std::optional<at::Tensor>&, int64_t) {
     return at::empty_symint({x.sym_size(0), scale.sym_size(0)}, x.options().dtype(at::kFloat));
   });
   lib.impl("int8_glu", [](const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor& scale) {

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from hcache.kernels.cpu import LM_HEAD_BITS
 from hcache.model.base import DecoderModel
 from hcache.model.catalog import NAMED, named_path
 from hcache.model.geometry import ARCH_LLAMA, ARCH_OPT, ModelConfig
@@ -122,6 +123,8 @@ def _pack_int8(model: DecoderModel) -> None:
             # two passes per row everywhere: restore paths compute the same activations to
             # within last bits, and one coarse pass per group can turn such a difference into a
             # whole step, which moved a greedy token after a recompute restore
+            if mod is model.lm_head:
+                mod.bits = LM_HEAD_BITS
             mod.pack(keep_rows=mod is embedding)
 
 

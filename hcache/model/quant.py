@@ -11,7 +11,9 @@
   int8 at its own scale, half a step of rounding; and for the LM head. Every path
   quantizes the activations in two passes per row (`int8_rows_mm`): restore paths whose
   activations differ in last bits must round them alike, which one coarse pass per group
-  did not (greedy tokens changed near ties).
+  did not (greedy tokens changed near ties). An LM head's passes are of 7 bits
+  (`LM_HEAD_BITS`): without VNNI its sums then need no signs moved, and its logits stay
+  within rounding of the 8-bit head's.
 - `Int8Rows`: the same rows shared by the token embedding (a row per token) and a tied head.
 
 Float weights (safetensors, or GGUF types without a packed form) are quantized on load by
@@ -158,6 +160,9 @@ class Int8Linear(_Bf16Scales):
         self.register_buffer("tiles", None)  # `pack_native`'s: the rows in the kernel's tiles
         self.register_buffer("sums", None)  # and each row's sum
         self._handle: int | None = None  # `pack_for_onednn`'s copy, in `_ONEDNN`
+        # each activation pass's bits, sign included (`int8_rows_mm`); an LM head takes 7
+        # (`LM_HEAD_BITS`), and oneDNN at most what this CPU sums exactly
+        self.bits = 8
         self._bits = 8  # oneDNN's activations'
         self.packed_bytes = 0  # bytes held outside the module's tensors (oneDNN's copy)
 
@@ -199,7 +204,7 @@ class Int8Linear(_Bf16Scales):
     def pack_for_onednn(self, bits: int | None = None, keep_rows: bool = False) -> bool:
         """Serve `forward` on oneDNN's int8 GEMM from a prepacked copy of the rows, its
         activations quantized to `bits` (default: what this CPU sums exactly,
-        `Cpu.head_activation_bits`); False where this torch has no oneDNN. The rows are
+        `Cpu.onednn_activation_bits`); False where this torch has no oneDNN. The rows are
         dropped unless `keep_rows` (an embedding tied to a head looks them up)."""
         if self._handle is not None:
             return True
@@ -208,7 +213,7 @@ class Int8Linear(_Bf16Scales):
             return False
         packed = torch.ops.onednn.qlinear_prepack(self.q, None)
         zeros = torch.zeros(self.out_features, dtype=torch.int32)
-        self._handle, self._bits = len(_ONEDNN), bits or cpu().head_activation_bits
+        self._handle, self._bits = len(_ONEDNN), min(bits or cpu().onednn_activation_bits, self.bits)
         _ONEDNN.append((packed, self.scales.float(), zeros, self._bits))
         self.packed_bytes = self.q.numel()
         if not keep_rows:
@@ -221,7 +226,7 @@ class Int8Linear(_Bf16Scales):
             flat = x.reshape(-1, self.in_features)
             # a float32 bias is added there too, as torch adds it (other dtypes round y first)
             inside, bias = (bias, None) if bias is not None and x.dtype == torch.float32 else (None, bias)
-            y = native.int8_ops().int8_linear(flat, self.tiles, self.sums, self.scales, inside).to(x.dtype)
+            y = native.int8_ops().int8_linear(flat, self.tiles, self.sums, self.scales, inside, self.bits).to(x.dtype)
         elif self._handle is not None:
             mm = functools.partial(onednn_int8_mm, handle=self._handle)
             y = int8_rows_mm(x.reshape(-1, self.in_features), mm, self._bits).to(x.dtype)

@@ -94,13 +94,14 @@ def test_a_row_has_the_same_bits_alone_in_any_batch_and_on_any_threads(op):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("bits", [8, 7])
 @pytest.mark.parametrize("m,k", [(1, 4), (2, 36), (5, 100), (33, 896), (17, 4864), (300, 896)])
-def test_the_linear_quantizes_inside_to_the_graphs_bits(op, ops, m, k):
+def test_the_linear_quantizes_inside_to_the_graphs_bits(op, ops, m, k, bits):
     """`int8_linear` quantizes each row in the op and combines its two passes in registers:
     the same bits as `int8_rows_mm`'s two passes in the graph around `int8_mm`, at K with and
     without a partial vector of 16, for rows of every magnitude (a zero row, a tiny one, a
     large one), row counts past a micro-kernel's and an L2 block's, a partial last tile and
-    group of tiles, and for bfloat16 input."""
+    group of tiles, and for bfloat16 input; with 8-bit passes and an LM head's 7-bit ones."""
     g = torch.Generator().manual_seed(m * 7 + k)
     w = torch.randint(-127, 128, (50, k), dtype=torch.int8, generator=g)
     scales = (torch.rand(50, generator=g) * 0.1).bfloat16()
@@ -108,8 +109,26 @@ def test_the_linear_quantizes_inside_to_the_graphs_bits(op, ops, m, k):
     x = torch.randn(m, k, generator=g) * torch.logspace(-30, 4, m)[:, None]
     x[0] = 0
     for xs in (x, x.bfloat16()):
-        want = int8_rows_mm(xs, lambda q: op(q, tiles, sums, scales, 128), 8)
-        assert torch.equal(ops.int8_linear(xs, tiles, sums, scales), want)
+        want = int8_rows_mm(xs, lambda q: op(q, tiles, sums, scales, 2 ** (bits - 1)), bits)
+        assert torch.equal(ops.int8_linear(xs, tiles, sums, scales, None, bits), want)
+    if bits == 8:
+        assert torch.equal(ops.int8_linear(xs, tiles, sums, scales), want)  # the default
+
+
+def test_seven_bit_passes_at_their_extremes_sum_exactly(op, ops):
+    """Passes of +-63 against weights of +-127 over the longest K: the AVX2 form's pairs of
+    (w + 128) * a stay inside 16 bits, and its sums inside int32."""
+    m, k = 3, 4864
+    x = torch.full((m, k), 63 / 32)  # a scale of 2^-5: every byte of the first pass is 63
+    x[1] = -x[1]
+    x[2, 1::2] = -(63 / 32 - 63 * 2**-15)  # first-pass bytes of -63 leaving 63 * 2^-15: second-pass ones of 63
+    w = torch.full((32, k), -127, dtype=torch.int8)
+    w[1::2] = 127
+    scales = torch.ones(32).bfloat16()
+    tiles, sums = native.int8_pack(w)
+    want = int8_rows_mm(x, lambda q: op(q, tiles, sums, scales, 64), 7)
+    assert torch.equal(ops.int8_linear(x, tiles, sums, scales, None, 7), want)
+    assert torch.allclose(want[0, :2], torch.tensor([-127.0, 127.0]) * k * 63 / 32, rtol=1e-6)
 
 
 @pytest.mark.parametrize("m", [1, 7, 33])
@@ -163,7 +182,9 @@ def test_the_avx2_form_gives_the_vnni_forms_bits():
     a = torch.randint(0, 256, (5, 160), dtype=torch.uint8, generator=g)
     bias = torch.randn(96, generator=g)
     assert torch.equal(avx2.int8_mm(a, tiles, sums, scales, 128), vnni.int8_mm(a, tiles, sums, scales, 128))
-    assert torch.equal(avx2.int8_linear(x, tiles, sums, scales, bias), vnni.int8_linear(x, tiles, sums, scales, bias))
+    for bits in (8, 7):
+        got = avx2.int8_linear(x, tiles, sums, scales, bias, bits)
+        assert torch.equal(got, vnni.int8_linear(x, tiles, sums, scales, bias, bits)), bits
     assert torch.equal(avx2.int8_glu(x, tiles, sums, scales), vnni.int8_glu(x, tiles, sums, scales))
 
 
@@ -182,6 +203,8 @@ def test_bad_operands_are_refused(op, ops):
         ops.int8_linear(torch.ones(2, 64, dtype=torch.int32), tiles, sums, scales)
     with pytest.raises(RuntimeError, match="bias of N"):
         ops.int8_linear(torch.randn(2, 64), tiles, sums, scales, torch.zeros(31))
+    with pytest.raises(RuntimeError, match="7 or 8 bits"):
+        ops.int8_linear(torch.randn(2, 64), tiles, sums, scales, None, 6)
     tiles24, sums24 = native.int8_pack(torch.ones(24, 64, dtype=torch.int8))
     with pytest.raises(RuntimeError, match="multiple of 8 each"):
         ops.int8_glu(torch.randn(2, 64), tiles24, sums24, torch.ones(24).bfloat16())

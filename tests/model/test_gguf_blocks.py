@@ -105,13 +105,15 @@ def test_types_without_a_packed_form_are_left_to_the_caller():
     assert packed_linear(np.zeros((ROWS, COLS // 256 * 84), np.uint8), T.Q2_K, ROWS, COLS) is None
 
 
-@pytest.mark.parametrize("onednn", [None, 8, 7, "native"], ids=["int8pack", "onednn-a8", "onednn-a7", "native"])
+@pytest.mark.parametrize(
+    "onednn", [None, 8, 7, "native", "native-a7"], ids=["int8pack", "onednn-a8", "onednn-a7", "native", "native-a7"]
+)
 def test_int8_rows_are_row_independent_and_concatenate(onednn):
     """Every int8 kernel computes each output row from its activation row alone: a row's
     result is the same bits at any batch size, eager or compiled, and Q/K/V concatenated give
     the separate calls' bits. oneDNN's and ours, whose activations are quantized in two passes
     per row to about 14 bits, stay within bfloat16's rounding of `_weight_int8pack_mm`'s bfloat16 activations, at
-    8-bit activations (VNNI) and at the 7 bits every CPU sums exactly."""
+    8-bit activations (VNNI) and at the 7 bits every CPU sums exactly (and an LM head takes on ours)."""
     g = torch.Generator().manual_seed(0)
     mods = tuple(Int8Linear.from_float(torch.randn(n, 96, generator=g), torch.randn(n, generator=g)) for n in (40, 8))
     x = torch.randn(70, 96, generator=g) * 3
@@ -120,12 +122,14 @@ def test_int8_rows_are_row_independent_and_concatenate(onednn):
     cat = Int8Linear.cat(mods)
     reference = cat(x)  # `_weight_int8pack_mm`
     sliced = cat.rows(40, 48)
-    if onednn == "native":
+    if onednn in ("native", "native-a7"):
+        for m in (*mods, cat, sliced):
+            m.bits = 7 if onednn == "native-a7" else 8
         if not all(m.pack_native() for m in (*mods, cat, sliced)):
             pytest.skip(f"our int8 kernel needs AVX2 and a C++ compiler; this CPU is {cpu().kind}")
         assert cat.q.numel() == 0 and cat.tiles.numel() == 48 * 96  # the rows live in the tiles alone
     elif onednn:
-        if onednn > cpu().head_activation_bits:
+        if onednn > cpu().onednn_activation_bits:
             pytest.skip(f"8-bit activations need VNNI; this CPU is {cpu().kind}")
         if not all(m.pack_for_onednn(onednn) for m in (*mods, cat, sliced)):
             pytest.skip("this torch has no oneDNN")

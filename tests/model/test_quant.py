@@ -13,7 +13,7 @@ from hcache.kernels.cpu import cpu
 from hcache.model.gguf_blocks import unpermute
 from hcache.model.loader import auto_weights, default_model_path, load
 from hcache.model.quality import logits_of, perplexity
-from hcache.model.quant import Int4Linear, Int8Glu, Int8Linear, Int8Rows, int4_from_float
+from hcache.model.quant import Int4Linear, Int8Glu, Int8Linear, Int8Rows, int4_from_float, int8_rows_mm
 
 TEXT = Path(__file__).parent.parent / "data" / "perplexity.txt"
 
@@ -111,6 +111,26 @@ def test_int4_runs_on_cpus_with_bfloat16_scales_in_any_dtype():
         load("default", "bfloat16", weights="int3")
 
 
+def test_the_lm_head_quantizes_its_activations_in_seven_bit_passes():
+    """The loaded model's int8 LM head (the default model's is tied to the embedding) takes
+    7-bit passes (`LM_HEAD_BITS`) on whichever path serves it: its logits are the bits of
+    `int8_rows_mm` at 7 over the head's rows, not at 8, and within a few hundredths of the
+    rows' float product (logits span about 60)."""
+    m = load("default", "float32", weights="packed").model
+    head = m.lm_head
+    assert isinstance(head, Int8Rows) and head.bits == 7 and head.is_packed
+    rows = head.lookup(torch.arange(head.out_features), torch.float32) / head.scales.float()[:, None]
+    g = torch.Generator().manual_seed(3)
+    x = m.head_norm(torch.randn(5, m.cfg.hidden_size, generator=g) * 4)
+    exact = x @ (rows * head.scales.float()[:, None]).t()
+    got = head(x).float()
+    for bits in (7, 8):
+        zero = 2 ** (bits - 1)
+        ref = int8_rows_mm(x, lambda q, z=zero: ((q.float() - z) @ rows.t()) * head.scales.float(), bits)
+        assert torch.equal(got, ref) == (bits == 7), bits
+    assert (got - exact).abs().max() < 0.05
+
+
 def test_auto_runs_a_q4_1_files_blocks_on_cpus_and_keeps_float_weights_float(tiny_folder, tmp_path):
     import gguf
 
@@ -201,7 +221,7 @@ def test_the_onednn_head_is_row_independent_close_and_the_same_compiled(bits):
     the same bits alone or in any batch, eager or inside a compiled graph, and stay within
     the bfloat16 kernel's rounding of `_weight_int8pack_mm`'s. Both activation widths: 8 bits
     where oneDNN has VNNI, 7 (no pair of byte products past 16 bits) on every CPU."""
-    if bits > cpu().head_activation_bits:
+    if bits > cpu().onednn_activation_bits:
         pytest.skip(f"8-bit activations need VNNI; this CPU is {cpu().kind}")
     g = torch.Generator().manual_seed(0)
     rows = Int8Rows.from_float(torch.randn(300, 64, generator=g))
