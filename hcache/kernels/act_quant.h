@@ -1,9 +1,10 @@
 // Activation rows quantized to two int8 passes inside a kernel's call, as
 // `quant.int8_rows_mm` does in the graph at 8 bits (7 for an LM head): the row at a
-// power-of-two scale, then its remainder at the remainder's. Every step is exact (a power-of-two scale, a rounding to
-// an integer, a remainder that float32 holds), so the bits equal the Python's. Quantizing
-// inside the call leaves inductor no fused copy of the activations to round otherwise than
-// eager code, and an eager turn no dozen small ops per linear.
+// power-of-two scale, then its remainder at the remainder's. Every step is exact (a
+// power-of-two scale, a rounding to an integer, a remainder that float32 holds), so the bits
+// equal the Python's. Quantizing inside the call leaves inductor no fused copy of the
+// activations to round otherwise than eager code, and an eager turn no dozen small ops per
+// linear.
 
 #pragma once
 

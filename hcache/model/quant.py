@@ -204,7 +204,8 @@ class Int8Linear(_Bf16Scales):
     def pack_for_onednn(self, bits: int | None = None, keep_rows: bool = False) -> bool:
         """Serve `forward` on oneDNN's int8 GEMM from a prepacked copy of the rows, its
         activations quantized to `bits` (default: what this CPU sums exactly,
-        `Cpu.onednn_activation_bits`); False where this torch has no oneDNN. The rows are
+        `Cpu.onednn_activation_bits`), at most the module's own `bits`; False where this
+        torch has no oneDNN. The rows are
         dropped unless `keep_rows` (an embedding tied to a head looks them up)."""
         if self._handle is not None:
             return True
