@@ -148,16 +148,17 @@ def num_chunks(n_tokens: int) -> int:
 
 def checksum(data: memoryview | bytes) -> int:
     """xxh3-64 of a chunk's bytes (xxh3 for speed), as SQLite's signed 64-bit integer."""
-    return checksum_parts([data])
-
-
-def checksum_parts(parts: list[memoryview | bytes]) -> int:
-    """`checksum` of the parts' concatenation (a chunk read in place is a slice of its
-    layer's buffer, and a chunk of one kind may also be split over pieces). Always the
-    streaming hasher: it lets go of the GIL for large pieces (the one-shot function does
-    not), so reader threads keep submitting while a chunk is hashed."""
-    h = xxhash.xxh3_64()
-    for p in parts:
-        h.update(p)
-    v = h.intdigest()
+    v = xxhash.xxh3_64(data).intdigest()
     return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def digests(data: memoryview, at: int, stride: int, count: int, nbytes: int) -> list[int]:
+    """xxh3-64 of `count` chunks of `nbytes` at `data[at + m * stride]` (unsigned: compare
+    with `checksum & UNSIGNED`), for a run of chunks read in place. The hasher object, not
+    the one-shot function: it lets go of the GIL for large chunks, so reader threads keep
+    submitting while one is hashed."""
+    h = xxhash.xxh3_64
+    return [h(data[x : x + nbytes]).intdigest() for x in range(at, at + count * stride, stride)]
+
+
+UNSIGNED = (1 << 64) - 1  # a stored (signed) checksum's bits as `digests` gives them

@@ -16,10 +16,10 @@ import torch
 from hcache.config import StorageConfig
 from hcache.storage.buffers import LayerBuffers
 from hcache.storage.errors import ChunkError
-from hcache.storage.layout import ALIGN, CHUNK_TOKENS, ChunkShape, Kind, checksum, checksum_parts, num_chunks
+from hcache.storage.layout import ALIGN, CHUNK_TOKENS, UNSIGNED, ChunkShape, Kind, checksum, digests, num_chunks
 from hcache.storage.manifest import ChunkRow
 from hcache.storage.placement import Placement
-from hcache.storage.readplan import ReadPlan, Request, Want, is_tail, run_end, scatter_plan
+from hcache.storage.readplan import Landing, ReadPlan, Request, Want, is_tail, run_end, scatter_plan
 from hcache.storage.readpool import ReadPool
 from hcache.storage.stats import StoreStats
 from hcache.storage.throttle import TokenBucket
@@ -217,9 +217,9 @@ class OwnerReader:
             slab = self.slabs.slab(q.dir, q.slab)
             sb = slab.slot_bytes
             piece = shape.nbytes
-            targets, parts = scatter_plan(q, piece, sb, lambda r: self._dest(r, piece), pool.discard)
+            targets, landings = scatter_plan(q, piece, sb, lambda r: self._dest(r, piece), pool.discard)
             bounce = None
-            if None in parts:
+            if any(ld.mem is None for ld in landings):
                 buf = pool.take()
                 bounce = memoryview(buf)
                 targets = [bounce[t[0] : t[0] + t[1]] if isinstance(t, tuple) else t for t in targets]
@@ -230,13 +230,20 @@ class OwnerReader:
             for r in q.chunks:
                 self._fail(r, f"read error: {e}")
             return
-        self._verify(q, shape, sb, parts, bounce, n, buf)
+        self._verify(q, shape, sb, landings, bounce, n, buf)
 
     def _verify(
-        self, q: Request, shape: ChunkShape, sb: int, parts: list, bounce: memoryview | None, n: int, buf: object
+        self,
+        q: Request,
+        shape: ChunkShape,
+        sb: int,
+        landings: list[Landing],
+        bounce: memoryview | None,
+        n: int,
+        buf: object,
     ) -> None:
         try:
-            self._check(q, shape, sb, parts, bounce, n)
+            self._check(q, shape, sb, landings, bounce, n)
         except Exception as e:  # never a hang: the request's unfinished chunks fail
             for r in q.chunks:
                 self._fail(r, f"read error: {e}")
@@ -249,39 +256,39 @@ class OwnerReader:
         q: Request,
         shape: ChunkShape,
         sb: int,
-        parts: list[list[memoryview] | None],
+        landings: list[Landing],
         bounce: memoryview | None,
         n: int,
     ) -> None:
         """Verify every chunk of a finished read; those read in place are done, the rest are
-        copied out of the bounce buffer. Per chunk only the hash and a compare: this runs
-        beside a turn, thousands of times a restore."""
+        copied out of the bounce buffer. A run read in place is hashed in one call and
+        compared as one list: this runs beside a turn, for thousands of chunks a restore."""
         with self._lock:
             self.bytes_read += n
-        self.stats.count_read(n, q.dir, len(parts) - parts.count(None))
-        landed: dict[LayerSlot, int] = {}  # chunks verified in place, per layer
+        self.stats.count_read(n, q.dir, sum(ld.count for ld in landings if ld.mem is not None))
         good: list[ChunkRow] = []
-        nb, first, slot_of = shape.nbytes, q.first, self._slot_of
+        nb, chunks = shape.nbytes, q.chunks
         last = q.first + (n - nb) // sb if n >= nb else q.first - 1  # the last slot read whole
-        for r, p in zip(q.chunks, parts, strict=True):
-            if r.slot > last:
+        for ld in landings:
+            rows = chunks[ld.first : ld.first + ld.count]
+            k = min(ld.count, max(0, last - rows[0].slot + 1))  # read whole: a run's slots are consecutive
+            for r in rows[k:]:
                 self._fail(r, "slot beyond the end of its slab")
+            if ld.mem is None:
+                if k and checksum(bounce[ld.at : ld.at + nb]) == rows[0].checksum:
+                    good.append(rows[0])
+                elif k:
+                    self._mismatch(rows[0])
                 continue
-            if p is None:
-                off = (r.slot - first) * sb
-                got = checksum(bounce[off : off + nb])
-            else:
-                got = checksum_parts(p)
-            if got != r.checksum:
-                self.stats.count_checksum_failure()
-                self._fail(r, "checksum mismatch")
-            elif p is not None:
-                slot = slot_of[(r.layer, r.kind)]
-                landed[slot] = landed.get(slot, 0) + 1
-            else:
-                good.append(r)
-        for slot, k in landed.items():
-            self._done(slot, k)
+            got = digests(ld.mem, ld.at, ld.stride, k, nb)
+            want = [r.checksum & UNSIGNED for r in rows[:k]]
+            if got != want:
+                for r, g, w in zip(rows[:k], got, want, strict=True):
+                    if g != w:
+                        self._mismatch(r)
+                        k -= 1
+            if k:
+                self._done(self._slot_of[(rows[0].layer, rows[0].kind)], k)
         if not good:
             return
         # chunks of one layer in consecutive slots, with evenly spaced indices (chunk c of a
@@ -337,6 +344,10 @@ class OwnerReader:
                 sel = slice(c0, c0 + step * (k - 1) + 1, step)
                 slot.out[: full * CHUNK_TOKENS].view(full, *shape.shape)[sel] = chunks
         self._done(slot, k)
+
+    def _mismatch(self, r: ChunkRow) -> None:
+        self.stats.count_checksum_failure()
+        self._fail(r, "checksum mismatch")
 
     def _fail(self, r: ChunkRow, reason: str) -> None:
         slot = self.slots[(r.layer, Kind(r.kind))]

@@ -10,6 +10,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,6 +33,18 @@ class Request:
     min_layer: int
     not_before: float = 0.0  # under a read cap: when its bytes may go (booked in layer order)
     gate: int = 0  # which opening layer's it is (those go alone, in order), or their count
+
+
+class Landing(NamedTuple):
+    """Where chunks `first:first + count` of a request's `chunks` land: in place, chunk m at
+    `mem[at + m * stride]` (in consecutive slots, so checked as one run); or, with `mem`
+    None, a single chunk in the bounce buffer at offset `at` (its slot's)."""
+
+    first: int
+    count: int
+    mem: memoryview | None
+    at: int
+    stride: int
 
 
 @dataclass(frozen=True)
@@ -231,19 +244,19 @@ def scatter_plan(
     sb: int,
     dest: Callable[[ChunkRow], tuple[memoryview | None, Want]],
     discard: memoryview,
-) -> tuple[list[Target], list[list[memoryview] | None]]:
+) -> tuple[list[Target], list[Landing]]:
     """The request's slots (`sb` bytes each, holding `piece` bytes of chunk) as read targets,
     in file order. A full chunk lands in place in its layer's buffer, so no copy follows the
     read: `dest(r)` gives that buffer's bytes (None where chunks cannot land in place) and
     the rows it wants. Unwanted slots between wanted ones go to the shared `discard` area;
     tails and chunks that cannot land in place go to the bounce buffer, as `(offset, length)`
-    of their slot until one is taken. Returns the targets and, per chunk of `q.chunks`, its
-    bytes in place for the checksum (None: in the bounce buffer). Built a run at a time (a
-    layer's chunks in consecutive slots) because it runs on a reader thread between two reads."""
+    of their slot until one is taken. Returns the targets and where the chunks landed, a run
+    at a time (a layer's chunks in consecutive slots): this runs on a reader thread between
+    two reads, beside a turn, so nothing in it is done per chunk that can be done per run."""
     step = piece // CHUNK_TOKENS  # bytes per token row
     # chunks land in place only when their rows are whole pages, so their slots have no padding
     targets: list[Target] = []
-    parts: list[list[memoryview] | None] = []
+    landings: list[Landing] = []
     chunks, n = q.chunks, len(q.chunks)
     nxt, i = q.first, 0  # the next slot not yet targeted; the run's first chunk
     while i < n:
@@ -252,8 +265,9 @@ def scatter_plan(
             skip(targets, (r.slot - nxt) * sb, discard)
         mem, want = dest(r)
         if mem is None or is_tail(r, want.hi):  # a tail: its valid rows only
-            targets.append(((r.slot - q.first) * sb, sb))
-            parts.append(None)
+            at = (r.slot - q.first) * sb
+            targets.append((at, sb))
+            landings.append(Landing(i, 1, None, at, sb))
             nxt, i = r.slot + 1, i + 1
             continue
         j = run_end(chunks, i, want.hi // CHUNK_TOKENS)
@@ -261,12 +275,14 @@ def scatter_plan(
         gap = chunks[i + 1].idx - r.idx if k > 1 else 1
         o = (r.idx * CHUNK_TOKENS - want.lo) * step
         stride = gap * piece
-        pieces = [mem[x : x + piece] for x in range(o, o + k * stride, stride)]
         # consecutive chunks are consecutive token rows: one target, one segment of the request
-        targets.extend([mem[o : o + k * piece]] if gap == 1 else pieces)
-        parts.extend([[p] for p in pieces])
+        if gap == 1:
+            targets.append(mem[o : o + k * piece])
+        else:
+            targets.extend([mem[x : x + piece] for x in range(o, o + k * stride, stride)])
+        landings.append(Landing(i, k, mem, o, stride))
         nxt, i = r.slot + k, j
-    return targets, parts
+    return targets, landings
 
 
 def skip(targets: list[Target], n: int, discard: memoryview) -> None:

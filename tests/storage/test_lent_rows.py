@@ -94,6 +94,40 @@ def test_nothing_lands_after_settle(dirs) -> None:
             r.get(last)
 
 
+def test_a_bad_chunk_inside_a_run_fails_alone(tmp_path) -> None:
+    """One directory: each layer's chunks lie in consecutive slots and are read, and checked,
+    as one run. A flipped byte in the middle one fails that chunk by name; the run's other
+    chunks land whole, and every other layer is untouched."""
+    n = 5 * 64
+    with open_store(dirs_in(tmp_path, 1)) as st:
+        st.create_owner("s", KINDS, "fp")
+        save(st, "s", 0, n, KINDS)
+        st.mark_durable("s", list(range(n)))
+        layer = KV_LAYERS[0]
+        chunks = sorted(
+            (r for r in st.manifest.chunks("s") if (r.layer, r.kind) == (layer, Kind.KV.value)), key=lambda r: r.idx
+        )
+        assert [r.slot - chunks[0].slot for r in chunks[:4]] == list(range(4))  # one run of four, at least
+        bad = chunks[2]
+        path = st.dirs[bad.dir] / f"{bad.slab}.slab"
+        with open(path, "r+b") as f:
+            f.seek(bad.slot * st.placement.slab(bad.dir, bad.slab).slot_bytes + 100)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0xFF]))
+        rows = {k: zeros_for_reads((n, 2, GEOM.kv_dim), torch.float32, torch.device("cpu")) for k in _rows()}
+        r = st.reader("s", wants=[Want(i, Kind.KV, 0, n) for i in KV_LAYERS], into=rows)
+        with pytest.raises(ChunkError, match=f"layer {layer} chunk 2: checksum mismatch"):
+            r.get(layer)
+        got, want = rows[(layer, Kind.KV)], expected(layer, Kind.KV, n)
+        assert torch.equal(got[:128], want[:128]) and torch.equal(got[192:], want[192:])
+        assert not torch.equal(got[128:192], want[128:192])
+        for i in KV_LAYERS[1:]:
+            assert torch.equal(r.get(i), expected(i, Kind.KV, n))
+        assert st.stats.checksum_failures == 1
+        r.settle()
+
+
 def test_a_slab_cut_short_fails_the_chunks_past_its_end_only(dirs) -> None:
     """A slab file shorter than its slots (a lost tail, or a hand's `truncate`): the chunks
     whose slots it no longer holds whole fail by name, never read as zeros, and every other
