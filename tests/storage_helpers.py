@@ -10,6 +10,7 @@ import torch
 from hcache.config import StorageConfig
 from hcache.model.geometry import ModelConfig
 from hcache.storage.layout import Kind, stored
+from hcache.storage.manifest import ChunkRow
 from hcache.storage.store import ChunkStore
 
 GEOM = ModelConfig(
@@ -28,6 +29,16 @@ KINDS = [None, Kind.HIDDEN, Kind.KV, Kind.HIDDEN, Kind.KV]
 
 def open_store(dirs: list[Path], **kw) -> ChunkStore:
     return ChunkStore(StorageConfig([str(d) for d in dirs], **kw), GEOM, torch.float32)
+
+
+def flip_byte(st: ChunkStore, row: ChunkRow) -> None:
+    """Corrupt the stored chunk `row`: one byte of its slot, inverted on disk."""
+    path = st.dirs[row.dir] / f"{row.slab}.slab"
+    with open(path, "r+b") as f:
+        f.seek(row.slot * st.placement.slab(row.dir, row.slab).slot_bytes + 100)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def dirs_in(tmp_path: Path, n: int = 3) -> list[Path]:

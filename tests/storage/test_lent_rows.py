@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from storage_helpers import GEOM, KINDS, dirs_in, expected, open_store, save
+from storage_helpers import GEOM, KINDS, dirs_in, expected, flip_byte, open_store, save
 
 from hcache.model.cache import zeros_for_reads
 from hcache.storage.errors import ChunkError
@@ -108,13 +108,7 @@ def test_a_bad_chunk_inside_a_run_fails_alone(tmp_path) -> None:
             (r for r in st.manifest.chunks("s") if (r.layer, r.kind) == (layer, Kind.KV.value)), key=lambda r: r.idx
         )
         assert [r.slot - chunks[0].slot for r in chunks[:4]] == list(range(4))  # one run of four, at least
-        bad = chunks[2]
-        path = st.dirs[bad.dir] / f"{bad.slab}.slab"
-        with open(path, "r+b") as f:
-            f.seek(bad.slot * st.placement.slab(bad.dir, bad.slab).slot_bytes + 100)
-            b = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([b[0] ^ 0xFF]))
+        flip_byte(st, chunks[2])
         rows = {k: zeros_for_reads((n, 2, GEOM.kv_dim), torch.float32, torch.device("cpu")) for k in _rows()}
         r = st.reader("s", wants=[Want(i, Kind.KV, 0, n) for i in KV_LAYERS], into=rows)
         with pytest.raises(ChunkError, match=f"layer {layer} chunk 2: checksum mismatch"):

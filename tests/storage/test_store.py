@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from storage_helpers import GEOM, KINDS, check_all, dirs_in, expected, h_rows, kv_rows, open_store, save
+from storage_helpers import GEOM, KINDS, check_all, dirs_in, expected, flip_byte, h_rows, kv_rows, open_store, save
 
 from hcache.config import StorageConfig
 from hcache.memory import aligned_buffer
@@ -234,12 +234,7 @@ def test_quota_skips_full_directory_then_says_full(dirs) -> None:
 
 def _corrupt_one_chunk(st: ChunkStore, layer: int, idx: int = 0):
     row = next(r for r in st.manifest.chunks("s") if r.layer == layer and r.idx == idx)
-    path = st.dirs[row.dir] / f"{row.slab}.slab"
-    with open(path, "r+b") as f:
-        f.seek(row.slot * st.placement.slab(row.dir, row.slab).slot_bytes + 100)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_byte(st, row)
     return row
 
 
