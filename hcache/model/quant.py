@@ -205,8 +205,8 @@ class Int8Linear(_Bf16Scales):
         """Serve `forward` on oneDNN's int8 GEMM from a prepacked copy of the rows, its
         activations quantized to `bits` (default: what this CPU sums exactly,
         `Cpu.onednn_activation_bits`), at most the module's own `bits`; False where this
-        torch has no oneDNN. The rows are
-        dropped unless `keep_rows` (an embedding tied to a head looks them up)."""
+        torch has no oneDNN. The rows are dropped unless `keep_rows` (an embedding tied to a
+        head looks them up)."""
         if self._handle is not None:
             return True
         onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")

@@ -213,7 +213,7 @@ class OwnerReader:
         shape = self.shapes[Kind(q.chunks[0].kind)]
         pool = self.pool
         buf = None
-        try:
+        try:  # any failure is this request's unfinished chunks' failure, never a hang
             slab = self.slabs.slab(q.dir, q.slab)
             sb = slab.slot_bytes
             piece = shape.nbytes
@@ -224,32 +224,13 @@ class OwnerReader:
                 bounce = memoryview(buf)
                 targets = [bounce[t[0] : t[0] + t[1]] if isinstance(t, tuple) else t for t in targets]
             n = slab.scatter(q.first, targets)
-        except Exception as e:  # any failure is this request's chunks' failure, never a hang
-            if buf is not None:
-                pool.give(buf)
-            for r in q.chunks:
-                self._fail(r, f"read error: {e}")
-            return
-        self._verify(q, shape, sb, landings, bounce, n, buf)
-
-    def _verify(
-        self,
-        q: Request,
-        shape: ChunkShape,
-        sb: int,
-        landings: list[Landing],
-        bounce: memoryview | None,
-        n: int,
-        buf: object,
-    ) -> None:
-        try:
             self._check(q, shape, sb, landings, bounce, n)
-        except Exception as e:  # never a hang: the request's unfinished chunks fail
+        except Exception as e:
             for r in q.chunks:
                 self._fail(r, f"read error: {e}")
         finally:
             if buf is not None:
-                self.pool.give(buf)
+                pool.give(buf)
 
     def _check(
         self,
